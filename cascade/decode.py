@@ -1,0 +1,180 @@
+"""`generate()`: the speculative decoding loop (and, with no drafter, the autoregressive baseline).
+
+Cache invariant: before each step the target's KV cache holds every token of the sequence but
+the last one. A step feeds ``[last] + draft`` (k+1 tokens) in one forward and gets the target's
+distributions for the k+1 positions after ``last``; after verification the cache is cropped to
+the sequence plus the accepted draft tokens, and the recovered/bonus token becomes the new
+``last``. The autoregressive baseline is the same loop with an empty draft, so both share
+every line of code but the drafter call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from cascade.drafters.base import Drafter
+from cascade.metrics import summarize
+from cascade.models.lm import CausalLM
+from cascade.rejection import verify_chain_greedy, verify_chain_sampled
+from cascade.sampling import logits_to_probs, make_generator
+from cascade.types import DraftBlock, SamplingConfig, StepRecord, VerifyResult
+
+
+@dataclass
+class Generation:
+    """Result of one ``generate`` call."""
+
+    tokens: list[int]  # new token ids (EOS included when generation stopped on it)
+    prompt_len: int
+    steps: list[StepRecord]
+    wall_time_s: float  # prefill + all steps
+    prefill_time_s: float
+    stop_reason: str  # "eos" | "max_new_tokens"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def summary(self) -> dict:
+        return summarize([self])
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _prompt_ids(input_ids) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(
+                    f"batch size {input_ids.shape[0]} is not supported: cascade.generate decodes one "
+                    "sequence at a time (batch size 1); loop over prompts instead"
+                )
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be [n] or [1, n], got shape {tuple(input_ids.shape)}")
+        ids = [int(t) for t in input_ids.tolist()]
+    else:
+        ids = list(input_ids)
+        if ids and isinstance(ids[0], (list, tuple)):
+            raise ValueError("batch size > 1 is not supported: pass one prompt (a flat list of token ids)")
+        ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("empty prompt: input_ids must hold at least one token")
+    return ids
+
+
+def _validate(target: CausalLM, prompt: list[int], max_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if len(prompt) + max_new_tokens > target.max_context:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context "
+            f"of {target.name!r} ({target.max_context} positions)"
+        )
+    bad = [t for t in prompt if not 0 <= t < target.vocab_size]
+    if bad:
+        raise ValueError(f"prompt holds token ids outside the vocabulary [0, {target.vocab_size}): {bad[:5]}")
+
+
+def _verify(block: DraftBlock, logits: torch.Tensor, sampling: SamplingConfig, gen) -> tuple[VerifyResult, torch.Tensor]:
+    """logits: [k+1, V]. Returns the result and the target's argmax [k+1]."""
+    argmax = logits.argmax(-1)  # [k+1]
+    draft = block.tokens.to(logits.device)
+    if sampling.greedy:
+        return verify_chain_greedy(draft, argmax), argmax
+    p = logits_to_probs(logits, sampling)  # [k+1, V]
+    q = None if block.q is None else block.q.to(p.device)
+    return verify_chain_sampled(draft, q, p, gen), argmax
+
+
+def _cut(tokens: list[int], eos: set[int], limit: int) -> tuple[list[int], bool]:
+    """Emitted tokens up to and including the first EOS, at most ``limit``; and whether EOS was hit."""
+    for i, t in enumerate(tokens[:limit]):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens[:limit], False
+
+
+def generate(
+    target: CausalLM,
+    input_ids,
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | list[int] | None = None,
+    stop_on_eos: bool = True,
+    progress: bool = False,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch size 1).
+
+    With ``drafter=None`` this is plain autoregressive decoding. Output is distributed exactly as
+    the target's (greedy: identical tokens). ``eos_token_id`` defaults to the target's EOS ids;
+    ``generator`` (or ``seed``) is the only source of randomness.
+    """
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    prompt = _prompt_ids(input_ids)
+    _validate(target, prompt, max_new_tokens)
+    if eos_token_id is None:
+        eos = target.eos_token_ids if stop_on_eos else set()
+    else:
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    gen = generator if generator is not None else make_generator(seed, target.device)
+    if drafter is not None:
+        drafter.check_compatible(target)
+        drafter.reset(sampling, gen)
+
+    device = target.device
+    t_start = _now(device)
+    cache = target.new_cache()
+    if len(prompt) > 1:
+        target.forward(prompt[:-1], cache, last_only=True)  # prefill all but the last token
+    prefill_time = _now(device) - t_start
+
+    seq, new, steps = list(prompt), [], []
+    stop_reason = "max_new_tokens"
+    bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not progress, leave=False)
+    while len(new) < max_new_tokens:
+        t0 = _now(device)
+        # 1. propose: never more than can still be emitted (one slot is kept for the bonus token)
+        budget = max_new_tokens - len(new) - 1
+        block = drafter.propose(seq, budget) if drafter is not None and budget > 0 else DraftBlock.empty()
+        if block.k > budget:
+            raise RuntimeError(f"drafter {block.drafter!r} proposed {block.k} tokens with a budget of {budget}")
+        draft = block.tokens.tolist()
+        t1 = _now(device)
+        # 2. verify: one target forward over [last] + draft -> logits [k+1, V]
+        logits = target.forward([seq[-1]] + draft, cache)
+        t2 = _now(device)
+        # 3. accept
+        result, argmax = _verify(block, logits, sampling, gen)
+        # 4. commit: the cache keeps the sequence plus the accepted draft tokens
+        target.crop(cache, len(seq) + result.num_accepted)
+        emitted, hit_eos = _cut(draft[: result.num_accepted] + [result.next_token], eos, max_new_tokens - len(new))
+        seq += emitted
+        new += emitted
+        # 5. observe
+        if drafter is not None:
+            drafter.observe(seq, result)
+        t3 = _now(device)
+        steps.append(
+            StepRecord(
+                step=len(steps), drafter=block.drafter, drafted=block.k, accepted=result.num_accepted,
+                emitted=len(emitted), draft_tokens=draft, emitted_tokens=emitted, target_argmax=argmax.tolist(),
+                draft_time_s=t1 - t0, target_time_s=t2 - t1, step_time_s=t3 - t0, info=block.info,
+            )
+        )
+        bar.update(len(emitted))
+        if hit_eos:
+            stop_reason = "eos"
+            break
+    bar.close()
+    return Generation(new, len(prompt), steps, _now(device) - t_start, prefill_time, stop_reason, sampling)

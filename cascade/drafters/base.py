@@ -1,0 +1,46 @@
+"""The drafter protocol.
+
+A drafter proposes tokens for the positions after a context; the decode loop verifies them with
+the target. Lifecycle per generation::
+
+    drafter.check_compatible(target)       # refuses a drafter whose vocabulary differs
+    drafter.reset(sampling, generator)     # new generation: drop state, take the run's settings
+    loop:
+        block = drafter.propose(context, budget)   # at most `budget` tokens
+        ...target verifies...
+        drafter.observe(context_after, result)     # what the target accepted
+
+``context`` is the full token list (prompt + generated so far). A drafter with a KV cache keeps
+it in sync with the accepted prefix (see ``SmallLMDrafter``). A deterministic drafter returns
+``q=None``; one that samples returns the exact distributions it sampled from, processed with
+the run's ``SamplingConfig``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from cascade.models.lm import CausalLM
+from cascade.types import DraftBlock, SamplingConfig, VerifyResult
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+
+    def check_compatible(self, target: CausalLM) -> None:
+        """Raise ValueError when this drafter cannot draft for ``target`` (e.g. vocabulary)."""
+
+    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
+        """Start a new generation."""
+        self.sampling = sampling
+        self.generator = generator
+
+    @abstractmethod
+    def propose(self, context: list[int], budget: int) -> DraftBlock:
+        """Propose at most ``budget`` (>= 1) tokens following ``context``."""
+
+    def observe(self, context: list[int], result: VerifyResult) -> None:
+        """Told the verification result; ``context`` now ends with the accepted tokens and the
+        recovered/bonus token."""

@@ -1,0 +1,80 @@
+"""Per-step records -> run summaries, and the JSONL writer.
+
+Definitions (summed over all steps of all generations in a run, never averaged per sample):
+
+``tau``
+    tokens emitted per target forward; the recovered-or-bonus token is counted, so plain
+    autoregressive decoding has ``tau == 1``.
+``alpha``
+    accepted draft tokens / drafted tokens, overall and per drafter (``alpha_by_drafter``).
+``c``
+    drafter time per drafted token / target time per verification forward, per drafter.
+    Drafter time includes its catch-up forwards on tokens it had not seen.
+``tokens_per_s``
+    new tokens / total wall time (prefill included).
+``overhead_frac``
+    share of step time spent outside drafter and target forwards (verification, bookkeeping).
+``speedup``
+    ``tokens_per_s`` of a method / ``tokens_per_s`` of its autoregressive baseline run in the
+    same process on the same prompts (:func:`speedup`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cascade.decode import Generation
+
+
+def summarize(generations: list["Generation"]) -> dict:
+    steps = [s for g in generations for s in g.steps]
+    new_tokens = sum(len(g.tokens) for g in generations)
+    wall = sum(g.wall_time_s for g in generations)
+    step_time = sum(s.step_time_s for s in steps)
+    target_time = sum(s.target_time_s for s in steps)
+    per_forward = target_time / len(steps) if steps else float("nan")
+    drafted: dict[str, int] = defaultdict(int)
+    accepted: dict[str, int] = defaultdict(int)
+    draft_time: dict[str, float] = defaultdict(float)
+    for s in steps:
+        if s.drafted:
+            drafted[s.drafter] += s.drafted
+            accepted[s.drafter] += s.accepted
+            draft_time[s.drafter] += s.draft_time_s
+    total_drafted = sum(drafted.values())
+    return {
+        "num_generations": len(generations),
+        "new_tokens": new_tokens,
+        "target_forwards": len(steps),
+        "tau": sum(s.emitted for s in steps) / len(steps) if steps else float("nan"),
+        "alpha": sum(accepted.values()) / total_drafted if total_drafted else None,
+        "alpha_by_drafter": {d: accepted[d] / drafted[d] for d in drafted},
+        "c_by_drafter": {d: (draft_time[d] / drafted[d]) / per_forward for d in drafted},
+        "drafted_per_step": total_drafted / len(steps) if steps else 0.0,
+        "tokens_per_s": new_tokens / wall if wall > 0 else float("nan"),
+        "wall_time_s": wall,
+        "prefill_time_s": sum(g.prefill_time_s for g in generations),
+        "target_time_per_forward_s": per_forward,
+        "draft_frac": sum(s.draft_time_s for s in steps) / step_time if step_time else 0.0,
+        "overhead_frac": sum(s.overhead_time_s for s in steps) / step_time if step_time else 0.0,
+    }
+
+
+def speedup(method: dict, baseline: dict) -> float:
+    """Ratio of total-token throughputs (not a mean of per-sample ratios)."""
+    return method["tokens_per_s"] / baseline["tokens_per_s"]
+
+
+def write_jsonl_atomic(path: str | Path, rows) -> None:
+    """Write rows as JSON lines to a temp file, then rename: readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)

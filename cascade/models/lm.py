@@ -1,0 +1,102 @@
+"""`CausalLM`: the one wrapper every model goes through, as target or inside a drafter.
+
+It exposes what speculative decoding needs and nothing model-specific: one forward over new
+tokens at explicit positions on top of a KV cache (with an optional 4D attention mask for
+trees), and cache cropping to an accepted prefix. Model quirks (loading, tokenizers, layer
+access) live in this package only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class CausalLM:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+
+    # ---- facts -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head, i.e. the length of every distribution this model produces."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        if ids is None:
+            ids = getattr(self.model.config, "eos_token_id", None)
+        if ids is None:
+            return set()
+        return {int(ids)} if isinstance(ids, int) else {int(i) for i in ids}
+
+    # ---- cache ---------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @staticmethod
+    def cache_len(cache: DynamicCache) -> int:
+        return int(cache.get_seq_length())
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        """Keep the first ``length`` cached positions (the accepted prefix); drop the rest."""
+        drop = int(cache.get_seq_length()) - length
+        if drop < 0:
+            raise ValueError(f"cannot crop a cache of {length + drop} positions to {length}")
+        if drop:
+            cache.crop(-drop)  # transformers 5: a negative count of tokens to remove
+
+    # ---- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor | list[int],  # [n]
+        cache: DynamicCache,
+        position_ids: torch.Tensor | None = None,  # [n]; default: cache_len .. cache_len+n-1
+        attention_mask: torch.Tensor | None = None,  # [1, 1, n, cache_len + n] float, 0 / -inf
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Run ``tokens`` on top of ``cache`` (which grows by n). Returns logits [n, V] ([1, V]
+        with ``last_only``, which skips the LM head on all but the last position)."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
+        n = ids.shape[1]
+        if position_ids is None:
+            start = self.cache_len(cache)
+            position_ids = torch.arange(start, start + n, device=self.device)
+        out = self.model(
+            input_ids=ids,
+            cache=cache,
+            position_ids=position_ids.reshape(1, -1).to(self.device),
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        return out.logits[0]  # [n, V] or [1, V]
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name!r} has no tokenizer; pass token ids instead of text")
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,0 +1,88 @@
+"""Load a causal LM from a zoo name, a Hugging Face id, a local directory or a GGUF file."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cascade.models import zoo
+from cascade.models.lm import CausalLM
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """``None``/"auto": CUDA when present, else CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available on this machine")
+    return device
+
+
+def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.device, **kwargs) -> CausalLM:
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    except (OSError, ValueError) as exc:  # a weights-only directory is still usable with token ids
+        log.warning("no tokenizer for %s (%s); the model works on token ids only", source, exc)
+        tokenizer = None
+    return CausalLM(model=model, tokenizer=tokenizer, name=str(source))
+
+
+def load_model(
+    name_or_path: str | Path,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = None,
+) -> CausalLM:
+    """Load a model usable as target or inside a drafter.
+
+    ``name_or_path``: a zoo name (``python -m cascade.models list``; fetched on first use), a
+    ``.gguf`` file, a local directory with a transformers checkpoint, or a Hugging Face id
+    (needs a reachable hub or a populated HF cache).
+    """
+    dtype, device = resolve_dtype(dtype), resolve_device(device)
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if text in zoo.ZOO:
+        lm = _from_pretrained(zoo.fetch(text), dtype, device)
+        lm.name = text
+        return lm
+    if text.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return _from_pretrained(path.parent, dtype, device, gguf_file=path.name)
+    if path.is_dir():
+        return _from_pretrained(path, dtype, device)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise ValueError(
+            f"unknown model {text!r}: not a zoo name ({', '.join(sorted(zoo.ZOO))}), "
+            "not a .gguf file, not a local directory, not a Hugging Face id (org/name)"
+        )
+    try:
+        return _from_pretrained(text, dtype, device)
+    except OSError as exc:
+        raise ValueError(f"could not load Hugging Face model {text!r} (is the hub reachable?): {exc}") from exc

@@ -1,0 +1,49 @@
+"""The CausalLM wrapper: explicit positions, 4D masks on top of the cache, cropping."""
+
+import torch
+
+from cascade.models import tiny_llama
+
+
+def _sequential_last_logits(lm, tokens):
+    return lm.forward(tokens, lm.new_cache())[-1]
+
+
+def test_forward_with_positions_and_4d_mask_matches_sequential(tiny_target):
+    lm = tiny_target
+    prefix = [3, 1, 4, 1, 5]
+    cache = lm.new_cache()
+    lm.forward(prefix, cache)
+    # Two siblings after the prefix (both children of the last prefix token), then a child of
+    # the first sibling: tokens [a, b, c], parents [-, -, a], depths [0, 0, 1].
+    new = [9, 2, 6]
+    allowed = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)  # [n, n] tree part
+    n, past = len(new), len(prefix)
+    mask = torch.zeros(1, 1, n, past + n, dtype=lm.dtype)
+    mask[0, 0, :, past:] = torch.where(allowed, 0.0, float("-inf"))
+    logits = lm.forward(new, cache, position_ids=torch.tensor([past, past, past + 1]), attention_mask=mask)
+    for row, path in enumerate([[9], [2], [9, 6]]):
+        torch.testing.assert_close(logits[row], _sequential_last_logits(lm, prefix + path), atol=1e-9, rtol=0)
+
+
+def test_crop_then_continue_equals_fresh_cache(tiny_target):
+    lm = tiny_target
+    cache = lm.new_cache()
+    lm.forward([1, 2, 3, 4, 5, 6, 7], cache)
+    lm.crop(cache, 4)
+    assert lm.cache_len(cache) == 4
+    got = lm.forward([8, 9], cache)
+    fresh = lm.forward([1, 2, 3, 4, 8, 9], lm.new_cache())[-2:]
+    torch.testing.assert_close(got, fresh, atol=1e-12, rtol=0)
+
+
+def test_last_only_skips_all_but_the_last_position(tiny_target):
+    out = tiny_target.forward([1, 2, 3], tiny_target.new_cache(), last_only=True)
+    assert out.shape == (1, tiny_target.vocab_size)
+
+
+def test_tiny_models_are_reproducible():
+    a, b = tiny_llama(seed=3), tiny_llama(seed=3)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    assert a.dtype == torch.float64 and a.vocab_size == 64
