@@ -136,7 +136,7 @@ def generate(
     t_start = _now(device)
     cache = target.new_cache()
     if len(prompt) > 1:
-        target.forward(prompt[:-1], cache, last_only=True)  # prefill all but the last token
+        target.forward(prompt[:-1], cache, keep_last=1)  # prefill all but the last token
     prefill_time = _now(device) - t_start
 
     seq, new, steps = list(prompt), [], []

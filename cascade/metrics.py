@@ -17,6 +17,10 @@ Definitions (summed over all steps of all generations in a run, never averaged p
 ``speedup``
     ``tokens_per_s`` of a method / ``tokens_per_s`` of its autoregressive baseline run in the
     same process on the same prompts (:func:`speedup`).
+``levels``
+    for cascades, per inner level: ``alpha`` (accepted by the level above it / drafted) and
+    ``c`` (its time per drafted token / target time per verification forward). The top level of
+    a vertical cascade is listed with the target's acceptance of its tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def summarize(generations: list["Generation"]) -> dict:
             accepted[s.drafter] += s.accepted
             draft_time[s.drafter] += s.draft_time_s
     total_drafted = sum(drafted.values())
+    levels = _level_stats(steps, per_forward)
     return {
         "num_generations": len(generations),
         "new_tokens": new_tokens,
@@ -62,6 +67,32 @@ def summarize(generations: list["Generation"]) -> dict:
         "target_time_per_forward_s": per_forward,
         "draft_frac": sum(s.draft_time_s for s in steps) / step_time if step_time else 0.0,
         "overhead_frac": sum(s.overhead_time_s for s in steps) / step_time if step_time else 0.0,
+        "levels": levels,
+    }
+
+
+def _level_stats(steps, per_forward: float) -> dict:
+    """Aggregate the per-level records cascades put in ``StepRecord.info``."""
+    acc: dict[str, dict] = {}
+
+    def add(name, drafted, accepted, time_s):
+        a = acc.setdefault(name, {"drafted": 0, "accepted": 0, "time_s": 0.0})
+        a["drafted"] += drafted
+        a["accepted"] += accepted
+        a["time_s"] += time_s
+
+    for s in steps:
+        if "top" in s.info:  # vertical cascade: its top level is judged by the target
+            add(s.info["top"], s.drafted, s.accepted, s.info["top_time_s"])
+        for name, lv in s.info.get("levels", {}).items():
+            add(name, lv["drafted"], lv["accepted"], lv["time_s"])
+    return {
+        name: {
+            "drafted": a["drafted"],
+            "alpha": a["accepted"] / a["drafted"] if a["drafted"] else None,
+            "c": (a["time_s"] / a["drafted"]) / per_forward if a["drafted"] else None,
+        }
+        for name, a in acc.items()
     }
 
 

@@ -23,11 +23,11 @@ import logging
 import os
 import platform
 import subprocess
+from importlib.metadata import version
 from pathlib import Path
 
 import hydra
 import torch
-import transformers
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -82,8 +82,8 @@ def _environment(target) -> dict:
     except (OSError, subprocess.CalledProcessError):
         commit = None
     return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "torch": version("torch"),
+        "transformers": version("transformers"),  # metadata: the lazy module may lack __version__ after unpickling
         "python": platform.python_version(),
         "device": str(target.device),
         "dtype": str(target.dtype),

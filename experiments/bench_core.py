@@ -44,7 +44,7 @@ def hf_generate(target, ids, max_new, **kwargs) -> tuple[list[int], float]:
 
 
 def top2_gap(target, ids: list[int]) -> float:
-    logits = target.forward(ids, target.new_cache(), last_only=True)[-1].float()
+    logits = target.forward(ids, target.new_cache(), keep_last=1)[-1].float()
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 

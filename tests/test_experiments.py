@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 
 import cascade.run as run_mod
+from cascade.results import gather
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -113,7 +114,19 @@ def test_multirun_sweep_gives_one_directory_per_job(tmp_path):
     assert len(summaries) == 2
     ks = sorted(json.loads(p.read_text())["config"]["method"]["drafter"]["k"] for p in summaries)
     assert ks == [1, 2]
+    rows, incomplete = gather(sweep)
+    assert sorted(r["method.drafter.k"] for r in rows if r["method"] == "sps") == ["1", "2"] and not incomplete
     before = {p: p.read_text() for p in summaries}
     second = _cli(*args, cwd=tmp_path)  # same sweep directory: refused, first sweep intact
     assert second.returncode != 0 and "refusing to mix runs" in second.stderr
     assert {p: p.read_text() for p in summaries} == before
+
+
+def test_submitit_launcher_local_executor(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = _cli(
+        "-m", "+experiment=pld_ngram", "debug=tiny", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+        "seed=1,2", f"hydra.sweep.dir={sweep}", "progress=false", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(list(sweep.glob("*/summary.json"))) == 2

@@ -37,8 +37,8 @@ def test_crop_then_continue_equals_fresh_cache(tiny_target):
     torch.testing.assert_close(got, fresh, atol=1e-12, rtol=0)
 
 
-def test_last_only_skips_all_but_the_last_position(tiny_target):
-    out = tiny_target.forward([1, 2, 3], tiny_target.new_cache(), last_only=True)
+def test_keep_last_skips_all_but_the_last_positions(tiny_target):
+    out = tiny_target.forward([1, 2, 3], tiny_target.new_cache(), keep_last=1)
     assert out.shape == (1, tiny_target.vocab_size)
 
 

@@ -25,7 +25,7 @@ def smollm():
 
 
 def top2_gap(target, ids):
-    logits = target.forward(ids, target.new_cache(), last_only=True)[-1]
+    logits = target.forward(ids, target.new_cache(), keep_last=1)[-1]
     top = torch.topk(logits.float(), 2).values
     return float(top[0] - top[1])
 

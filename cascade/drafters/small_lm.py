@@ -75,18 +75,20 @@ class SmallLMDrafter(Drafter):
         self.cache = self.model.new_cache()
         self.cached: list[int] = []  # tokens whose keys/values the cache holds, in order
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
-        """Bring the cache to ``context`` and return the logits after it: [V]."""
+    def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
+        """This model's logits after ``context`` and after each token of ``extra``, in one
+        forward: [len(extra) + 1, V]. The cache is first cropped to its longest common prefix
+        with ``context``; afterwards it holds ``context + extra``."""
         keep = min(common_prefix_len(self.cached, context), len(context) - 1)
         self.model.crop(self.cache, keep)
-        new = context[keep:]
+        new = context[keep:] + list(extra)
         self.cached = self.cached[:keep] + new
-        return self.model.forward(new, self.cache, last_only=True)[-1]
+        return self.model.forward(new, self.cache, keep_last=len(extra) + 1)
 
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         n = min(budget, self.k)
         deterministic = self.sampling.greedy or not self.sample
-        logits = self._sync(context)  # [V]
+        logits = self.score(context)[-1]  # [V]
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(n):
@@ -102,7 +104,7 @@ class SmallLMDrafter(Drafter):
                 if confidence < self.stop_below:
                     break
             if i < n - 1:
-                logits = self.model.forward([token], self.cache, last_only=True)[-1]
+                logits = self.model.forward([token], self.cache)[-1]
                 self.cached.append(token)
         q = torch.stack(qs) if qs else None  # [k, V]
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name)

@@ -72,10 +72,10 @@ class CausalLM:
         cache: DynamicCache,
         position_ids: torch.Tensor | None = None,  # [n]; default: cache_len .. cache_len+n-1
         attention_mask: torch.Tensor | None = None,  # [1, 1, n, cache_len + n] float, 0 / -inf
-        last_only: bool = False,
+        keep_last: int | None = None,
     ) -> torch.Tensor:
-        """Run ``tokens`` on top of ``cache`` (which grows by n). Returns logits [n, V] ([1, V]
-        with ``last_only``, which skips the LM head on all but the last position)."""
+        """Run ``tokens`` on top of ``cache`` (which grows by n). Returns logits [n, V], or
+        [keep_last, V] for the last positions only (the LM head is skipped on the others)."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if position_ids is None:
@@ -87,9 +87,9 @@ class CausalLM:
             position_ids=position_ids.reshape(1, -1).to(self.device),
             attention_mask=attention_mask,
             use_cache=True,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=keep_last or 0,
         )
-        return out.logits[0]  # [n, V] or [1, V]
+        return out.logits[0]  # [n, V] or [keep_last, V]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. Models without a tokenizer (tiny test models with a vocabulary of

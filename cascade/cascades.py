@@ -1,0 +1,178 @@
+"""Drafters built from drafters: vertical and horizontal cascades (CS Drafting, Chen et al. 2023).
+
+Vertical cascade
+    ``VerticalCascade([lm_1, d_2, ..., d_n])``: level 1 (an LM drafter) drafts for the target by
+    itself running speculative decoding with level 2 as *its* drafter, recursively. Every inner
+    verification is exact (greedy: argmax; sampled: the same lossless rule as the target's), so
+    the tokens the cascade hands up are distributed exactly as level 1's own autoregressive
+    output, and the ``q`` handed up at each position is level 1's processed distribution there.
+    That is what keeps the target-level verification lossless; a lenient middle level (accepting
+    more than ``min(1, q1/q2)``) would hand up tokens whose law is not ``q`` (see the tests).
+
+Horizontal cascade
+    ``HorizontalCascade([(d_a, n_a), (d_b, n_b), ...])``: the first ``n_a`` positions of a draft
+    come from ``d_a``, the next ``n_b`` from ``d_b``...: a stronger drafter where acceptance
+    matters most, cheaper ones later. Vertical and horizontal compose (a level can be a horizontal
+    schedule, a schedule entry can be a vertical cascade): CS Drafting's ``k``-matrix.
+
+Each level keeps its KV cache in sync with the accepted prefix through its own longest-common-
+prefix bookkeeping (``SmallLMDrafter.score``), so no level needs to be told what was accepted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cascade.drafters.base import Drafter
+from cascade.drafters.small_lm import SmallLMDrafter
+from cascade.models.lm import CausalLM
+from cascade.rejection import verify_chain_greedy, verify_chain_sampled
+from cascade.sampling import logits_to_probs
+from cascade.types import DraftBlock, SamplingConfig, VerifyResult
+
+
+def _merge_level_stats(into: dict, name: str, drafted: int, accepted: int, time_s: float) -> None:
+    stats = into.setdefault(name, {"drafted": 0, "accepted": 0, "time_s": 0.0, "rounds": 0})
+    stats["drafted"] += drafted
+    stats["accepted"] += accepted
+    stats["time_s"] += time_s
+    stats["rounds"] += 1
+
+
+class VerticalCascade(Drafter):
+    """Level 1 drafts with speculative decoding, using the rest of the levels as its drafter.
+
+    levels: ``[top, lower_1, lower_2, ...]``. ``top`` must be a ``SmallLMDrafter`` (it verifies
+    the level below with its model); every level but the last must be one too, since each
+    verifies the next. ``top.k`` is the number of tokens handed up per round (its budget);
+    each lower level's own ``k`` is its budget per inner round.
+    """
+
+    def __init__(self, levels: list[Drafter], name: str | None = None) -> None:
+        levels = list(levels)
+        if len(levels) < 2:
+            raise ValueError("a vertical cascade needs at least two levels")
+        if not isinstance(levels[0], SmallLMDrafter):
+            raise TypeError(f"the top level of a vertical cascade must be a SmallLMDrafter, got {type(levels[0]).__name__}")
+        self.top = levels[0]
+        self.lower: Drafter = levels[1] if len(levels) == 2 else VerticalCascade(levels[1:])
+        self.name = name or " <- ".join([self.top.name, self.lower.name])
+
+    def check_compatible(self, target: CausalLM) -> None:
+        self.top.check_compatible(target)
+        if isinstance(self.lower, (SmallLMDrafter, VerticalCascade, HorizontalCascade)):
+            self.lower.check_compatible(self.top.model)
+
+    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
+        super().reset(sampling, generator)
+        self.top.reset(sampling, generator)
+        self.lower.reset(sampling, generator)
+
+    def _inner_round(self, ctx: list[int], budget: int, deterministic: bool, stats: dict):
+        """One speculative round of the top level over the lower level's draft.
+
+        Returns the emitted tokens, the top level's processed distribution at each emitted
+        position when sampling ([m, V], else None), and the top level's own time."""
+        t0 = time.perf_counter()
+        block = self.lower.propose(ctx, budget - 1) if budget > 1 else DraftBlock.empty(self.lower.name)
+        t1 = time.perf_counter()
+        logits = self.top.score(ctx, block.tokens.tolist())  # [j+1, V]
+        draft = block.tokens.to(logits.device)
+        if deterministic:
+            result = verify_chain_greedy(draft, logits.argmax(-1))
+            q_top = None
+        else:
+            q_top = logits_to_probs(logits, self.sampling)  # [j+1, V]
+            q_low = None if block.q is None else block.q.to(q_top.device)
+            result = verify_chain_sampled(draft, q_low, q_top, self.generator)
+        emitted = block.tokens.tolist()[: result.num_accepted] + [result.next_token]
+        self.lower.observe(ctx + emitted, result)
+        if block.k:  # a nested cascade reports its own top level's time, without its levels'
+            own_time = block.info.get("top_time_s", t1 - t0)
+            _merge_level_stats(stats, block.info.get("top", self.lower.name), block.k, result.num_accepted, own_time)
+        for name, inner in block.info.get("levels", {}).items():  # deeper levels, already aggregated
+            agg = stats.setdefault(name, dict.fromkeys(inner, 0))
+            for key, value in inner.items():
+                agg[key] += value
+        rows = None if q_top is None else q_top[: len(emitted)]
+        return emitted, rows, time.perf_counter() - t1
+
+    def propose(self, context: list[int], budget: int) -> DraftBlock:
+        n = min(budget, self.top.k)
+        deterministic = self.sampling.greedy or not self.top.sample
+        ctx, tokens, q_rows, stats, top_time = list(context), [], [], {}, 0.0
+        while len(tokens) < n:
+            emitted, rows, dt = self._inner_round(ctx, n - len(tokens), deterministic, stats)
+            top_time += dt
+            ctx += emitted
+            tokens += emitted
+            if rows is not None:
+                q_rows.append(rows)
+        q = torch.cat(q_rows) if q_rows else None  # [n, V]
+        info = {"levels": stats, "top": self.top.name, "top_time_s": top_time}
+        return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name, info)
+
+
+class HorizontalCascade(Drafter):
+    """A position-dependent schedule: ``[(drafter, n_tokens), ...]`` fills a draft left to right.
+
+    A drafter that returns fewer tokens than its share (an n-gram drafter without a match)
+    hands the remaining positions on to the next entry. Deterministic entries contribute
+    one-hot ``q`` rows when another entry samples, so the block's ``q`` is exact at every position.
+    """
+
+    def __init__(self, schedule: list, name: str | None = None) -> None:
+        entries = [(d, int(n)) for d, n in (e if isinstance(e, (tuple, list)) else (e["drafter"], e["tokens"]) for e in schedule)]
+        if not entries or any(n < 1 for _, n in entries):
+            raise ValueError("a horizontal cascade needs a non-empty schedule of (drafter, tokens >= 1)")
+        self.schedule = entries
+        self.k = sum(n for _, n in entries)
+        self.name = name or " | ".join(f"{d.name}x{n}" for d, n in entries)
+
+    def check_compatible(self, target: CausalLM) -> None:
+        for drafter, _ in self.schedule:
+            drafter.check_compatible(target)
+
+    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
+        super().reset(sampling, generator)
+        for drafter, _ in self.schedule:
+            drafter.reset(sampling, generator)
+
+    def propose(self, context: list[int], budget: int) -> DraftBlock:
+        budget = min(budget, self.k)
+        tokens: list[int] = []
+        segments: list[DraftBlock] = []
+        stats: dict = {}
+        carry = 0  # positions a previous entry left unfilled
+        for drafter, share in self.schedule:
+            want = min(share + carry, budget - len(tokens))
+            if want <= 0:
+                break
+            t0 = time.perf_counter()
+            block = drafter.propose(context + tokens, want)
+            _merge_level_stats(stats, drafter.name, block.k, 0, time.perf_counter() - t0)
+            carry = want - block.k
+            tokens += block.tokens.tolist()
+            segments.append(block)
+        return DraftBlock(torch.tensor(tokens, dtype=torch.long), _stack_q(segments), self.name, {"segments": stats})
+
+    def observe(self, context: list[int], result: VerifyResult) -> None:
+        for drafter, _ in self.schedule:
+            drafter.observe(context, result)
+
+
+def _stack_q(segments: list[DraftBlock]) -> torch.Tensor | None:
+    """Concatenate the segments' q ([k_i, V] each); deterministic segments become one-hot rows.
+    None when every segment is deterministic."""
+    ref = next((b.q for b in segments if b.q is not None), None)
+    if ref is None:
+        return None
+    rows = []
+    for b in segments:
+        if b.q is not None:
+            rows.append(b.q.to(ref.device, ref.dtype))
+        elif b.k:
+            rows.append(torch.nn.functional.one_hot(b.tokens.to(ref.device), ref.shape[-1]).to(ref.dtype))
+    return torch.cat(rows)  # [k, V]

@@ -1,0 +1,66 @@
+"""Shared machinery of the statistical losslessness tests.
+
+The joint distribution of the first two generated tokens under speculative sampling is compared
+with the target's exact joint p(x1) * p(x2 | x1) (after the same temperature / top-k / top-p
+processing) by a chi-square goodness-of-fit test. Seeds are fixed, so each test's outcome is
+deterministic; the level is 1e-3.
+"""
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from cascade import generate
+from cascade.sampling import logits_to_probs
+from cascade.types import SamplingConfig
+
+LEVEL = 1e-3
+
+
+def exact_joint(target, cfg: SamplingConfig, prompt: list[int]) -> np.ndarray:
+    V = target.vocab_size
+    p1 = logits_to_probs(target.forward(prompt, target.new_cache())[-1], cfg)
+    joint = np.zeros((V, V))
+    for x1 in range(V):
+        if p1[x1] > 0:
+            p2 = logits_to_probs(target.forward(prompt + [x1], target.new_cache())[-1], cfg)
+            joint[x1] = (p1[x1] * p2).numpy()
+    return joint
+
+
+def empirical_counts(target, drafter, cfg: SamplingConfig, prompt: list[int], n: int, seed: int = 1234) -> np.ndarray:
+    """Alternates max_new_tokens=2 (one draft position, so the second token is often the bonus
+    token) and 3 (two: accepted, or recovered at either position). Both are lossless, so the
+    pooled counts follow the same joint distribution."""
+    V = target.vocab_size
+    counts = np.zeros((V, V))
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        out = generate(
+            target, prompt, drafter=drafter, max_new_tokens=2 + i % 2, temperature=cfg.temperature,
+            top_k=cfg.top_k, top_p=cfg.top_p, generator=gen, stop_on_eos=False,
+        )
+        counts[out.tokens[0], out.tokens[1]] += 1
+    return counts
+
+
+def chi_square_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
+    """Cells with expected count < 5 are pooled into one; any count in a zero-probability cell
+    gives p = 0."""
+    expected = joint.ravel() * counts.sum()
+    observed = counts.ravel()
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    big = expected >= 5
+    small = ~big & (expected > 0)
+    obs = np.append(observed[big], observed[small].sum())
+    exp = np.append(expected[big], expected[small].sum())
+    keep = exp > 0
+    return float(chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def lossless_pvalue(target, drafter, cfg: SamplingConfig, prompt: list[int], n: int) -> float:
+    joint = exact_joint(target, cfg, prompt)
+    # A near-deterministic joint (e.g. a tight top-p) would make the test unable to fail.
+    assert (joint > 0.01).sum() >= 4, f"degenerate test setting {cfg}: {(joint > 0.01).sum()} likely cells"
+    return chi_square_pvalue(empirical_counts(target, drafter, cfg, prompt, n), joint)
