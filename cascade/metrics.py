@@ -61,6 +61,7 @@ def summarize(generations: list["Generation"]) -> dict:
         "alpha_by_drafter": {d: accepted[d] / drafted[d] for d in drafted},
         "c_by_drafter": {d: (draft_time[d] / drafted[d]) / per_forward for d in drafted},
         "drafted_per_step": total_drafted / len(steps) if steps else 0.0,
+        "draft_time_per_token_s": sum(draft_time.values()) / total_drafted if total_drafted else None,
         "tokens_per_s": new_tokens / wall if wall > 0 else float("nan"),
         "wall_time_s": wall,
         "prefill_time_s": sum(g.prefill_time_s for g in generations),
@@ -99,6 +100,32 @@ def _level_stats(steps, per_forward: float) -> dict:
 def speedup(method: dict, baseline: dict) -> float:
     """Ratio of total-token throughputs (not a mean of per-sample ratios)."""
     return method["tokens_per_s"] / baseline["tokens_per_s"]
+
+
+def prediction(method: dict, baseline: dict) -> dict:
+    """Speedup predicted from the run's own measurements, next to the measured one.
+
+    ``predicted_speedup`` is the seed formula (1-α^(γ+1)) / ((1-α)(1+γc)) with α measured, γ the
+    mean draft length and c = drafter time per token / autoregressive target step time;
+    ``predicted_speedup_verify_cost`` also charges the measured verification cost (one forward
+    over k+1 tokens / one autoregressive step) instead of assuming it is 1. Mean γ stands in for a
+    varying draft length, and α is assumed equal at every position (see ``cascade.theory``).
+    """
+    from cascade.theory import predicted_speedup
+
+    measured = speedup(method, baseline)
+    if method["alpha"] is None or not method["drafted_per_step"]:
+        return {"predicted_speedup": None, "predicted_speedup_verify_cost": None, "measured_over_predicted": None}
+    ar_step = baseline["target_time_per_forward_s"]
+    gamma, c = method["drafted_per_step"], method["draft_time_per_token_s"] / ar_step
+    seed = predicted_speedup(method["alpha"], gamma, c)
+    charged = predicted_speedup(method["alpha"], gamma, c, method["target_time_per_forward_s"] / ar_step)
+    return {
+        "predicted_speedup": seed,
+        "predicted_speedup_verify_cost": charged,
+        "measured_over_predicted": measured / seed,
+        "measured_over_predicted_verify_cost": measured / charged,
+    }
 
 
 def write_jsonl_atomic(path: str | Path, rows) -> None:

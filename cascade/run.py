@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from cascade.data import encode_prompt, load_prompts
 from cascade.decode import generate
-from cascade.metrics import speedup, summarize, write_jsonl_atomic
+from cascade.metrics import prediction, speedup, summarize, write_jsonl_atomic
 from cascade.models import load_model
 
 log = logging.getLogger(__name__)
@@ -112,10 +112,14 @@ def _decode_all(cfg, target, methods: dict, prompts: list[list[int]]) -> dict[st
 
 
 def _table(results: dict) -> str:
-    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>6s} {'tok/s':>8s} {'speedup':>8s}"]
+    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>6s} {'tok/s':>8s} {'speedup':>8s} {'predicted':>9s}"]
     for name, r in results.items():
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.3f}"
-        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>6s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x")
+        pred = "-" if r["predicted_speedup_verify_cost"] is None else f"{r['predicted_speedup_verify_cost']:.2f}x"
+        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>6s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x {pred:>9s}")
+        for level, lv in r["levels"].items():
+            if lv["alpha"] is not None:
+                lines.append(f"  level {level}: alpha {lv['alpha']:.3f}, c {lv['c']:.3f}")
     return "\n".join(lines)
 
 
@@ -149,6 +153,8 @@ def run(cfg: DictConfig) -> dict:
             "alpha_by_drafter": s["alpha_by_drafter"],
             "tokens_per_s": s["tokens_per_s"],
             "speedup": speedup(s, base),
+            **prediction(s, base),
+            "levels": s["levels"],
             "overhead_frac": s["overhead_frac"],
             "detail": s,
             "tokens": {p.id: gen.tokens for p, gen in zip(prompt_set, g)},

@@ -18,7 +18,7 @@ CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 # Experiments whose method is not implemented yet must fail with a clear message; remove a
 # name from here when its method lands (the test then fails until it is removed).
-NOT_YET_AVAILABLE = {"csd_two_level"}
+NOT_YET_AVAILABLE: set[str] = set()
 
 
 def _cfg(*overrides):
@@ -42,7 +42,7 @@ def test_every_experiment_runs_with_tiny_models(name, tmp_path):
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["methods"].keys() == summary["methods"].keys()
     method = cfg.method.name
-    for key in ("tau", "alpha", "c", "tokens_per_s", "speedup", "tokens"):
+    for key in ("tau", "alpha", "c", "tokens_per_s", "speedup", "tokens", "predicted_speedup", "measured_over_predicted"):
         assert key in on_disk["methods"][method]
     assert on_disk["methods"]["ar"]["speedup"] == 1.0
     assert on_disk["environment"]["torch"] and on_disk["config"]["experiment_name"] == name
@@ -50,6 +50,12 @@ def test_every_experiment_runs_with_tiny_models(name, tmp_path):
     assert {s["method"] for s in steps} == set(summary["methods"])
     # greedy: the method's tokens equal the baseline's, prompt by prompt
     assert on_disk["methods"][method]["tokens"] == on_disk["methods"]["ar"]["tokens"]
+
+
+def test_unavailable_method_class_is_reported(no_model_loading, tmp_path):
+    cfg = _cfg("+experiment=pld_ngram", "method.drafter._target_=cascade.drafters.NotYetWritten", f"output_dir={tmp_path}")
+    with pytest.raises(run_mod.ConfigError, match="NotYetWritten, which is not yet available"):
+        run_mod.run(cfg)
 
 
 def test_rerun_into_same_directory_is_refused(tmp_path):

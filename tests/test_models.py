@@ -47,3 +47,28 @@ def test_tiny_models_are_reproducible():
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
     assert a.dtype == torch.float64 and a.vocab_size == 64
+
+
+def test_onednn_linears_match_dense_and_keep_greedy_equality():
+    from cascade import generate
+    from cascade.drafters import NGramDrafter
+    from cascade.models.cpu_kernels import OneDNNLinear, use_onednn_linears
+
+    dense = tiny_llama(vocab_size=64, seed=4, dtype="float32")
+    fast = tiny_llama(vocab_size=64, seed=4, dtype="float32")
+    assert use_onednn_linears(fast.model) > 0
+    assert isinstance(fast.model.lm_head, OneDNNLinear) and fast.vocab_size == 64
+    ids = [5, 9, 2, 7, 7, 1]
+    torch.testing.assert_close(fast.forward(ids, fast.new_cache()), dense.forward(ids, dense.new_cache()), atol=1e-4, rtol=1e-4)
+    for prompt in ([1, 2, 3], [4, 4, 4, 4], [9, 8, 7, 9, 8]):
+        ar = generate(fast, prompt, max_new_tokens=20, stop_on_eos=False)
+        sp = generate(fast, prompt, drafter=NGramDrafter(k=4), max_new_tokens=20, stop_on_eos=False)
+        assert sp.tokens == ar.tokens
+
+
+def test_auto_backend_choice():
+    from cascade.models.loading import auto_backend, cpu_has_native_bf16
+
+    dtype, onednn = auto_backend(torch.device("cpu"))
+    assert (dtype, onednn) == ((torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True))
+    assert auto_backend(torch.device("cuda")) == (torch.bfloat16, False)

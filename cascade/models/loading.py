@@ -34,6 +34,26 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_backend(device: torch.device) -> tuple[torch.dtype, bool]:
+    """(dtype, onednn) for ``dtype="auto"``: bf16 on CUDA and on CPUs with native bf16; else fp32
+    with oneDNN linears, whose multi-token forwards are far cheaper there (measured in
+    ``experiments/forward_cost.py``: on an AVX2-only CPU a 16-token forward costs 8.9x one token
+    in bf16 and 2.3x with fp32+oneDNN)."""
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16, False
+    return torch.float32, True
+
+
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     """``None``/"auto": CUDA when present, else CPU."""
     if device is None or device == "auto":
@@ -69,9 +89,12 @@ def load_model(
 
     ``onednn=True`` (fp32 on CPU only) runs the linear layers through oneDNN, whose cost grows
     far less with the number of tokens per forward on CPUs without native bf16; see
-    ``cascade.models.cpu_kernels``.
+    ``cascade.models.cpu_kernels``. ``dtype="auto"`` picks the backend (:func:`auto_backend`).
     """
-    dtype, device = resolve_dtype(dtype), resolve_device(device)
+    device = resolve_device(device)
+    if dtype == "auto":
+        dtype, onednn = auto_backend(device)
+    dtype = resolve_dtype(dtype)
     if onednn and (dtype != torch.float32 or device.type != "cpu"):
         raise ValueError("onednn=True needs dtype float32 on the CPU")
     lm = _load(name_or_path, dtype, device)

@@ -1,0 +1,74 @@
+"""Two-level vertical cascade vs the single small-LM drafter vs autoregressive, in one run.
+
+Qwen2.5-Coder-1.5B target; the 0.5B drafter alone (chain), and the 0.5B drafted for by prompt
+lookup (CS Drafting's vertical cascade); HumanEval prompts, greedy, methods interleaved per
+prompt after a warm-up. Prints τ, α and c per level, measured speedup and the speedup predicted
+from the run's own α and c (seed formula, and with the measured verification cost).
+
+    python experiments/bench_cascade.py --num-prompts 4 --onednn
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from cascade import generate, load_model
+from cascade.cascades import VerticalCascade
+from cascade.data import encode_prompt, load_prompts
+from cascade.drafters import NGramDrafter, SmallLMDrafter
+from cascade.metrics import prediction, speedup, summarize
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=8, help="tokens the 0.5B hands to the target per round")
+    ap.add_argument("--k-ngram", type=int, default=4, help="tokens prompt lookup proposes to the 0.5B per inner round")
+    ap.add_argument("--onednn", action="store_true", help="fp32 target with oneDNN linears")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    target = load_model(args.target, dtype="float32" if args.onednn else "bfloat16", onednn=args.onednn)
+    small = load_model(args.drafter, dtype="bfloat16")
+    prompts = [encode_prompt(target, p.text) for p in load_prompts("humaneval", args.num_prompts)]
+    methods = {
+        "ar": None,
+        "chain_0.5b": SmallLMDrafter(small, k=args.k),
+        "csd_0.5b<-ngram": VerticalCascade([SmallLMDrafter(small, k=args.k), NGramDrafter(k=args.k_ngram, max_ngram=2)]),
+    }
+    for drafter in methods.values():
+        generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=8)
+    gens = {name: [] for name in methods}
+    for i, ids in enumerate(prompts):
+        for name, drafter in methods.items():
+            gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=args.max_new_tokens))
+        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+
+    base = summarize(gens["ar"])
+    print(f"\n{args.target} <- {args.drafter}, humaneval x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "
+          f"target {'fp32+oneDNN' if args.onednn else 'bf16'}, drafter bf16, k={args.k}, k_ngram={args.k_ngram}")
+    print(f"{'method':18s} {'tok/s':>6s} {'tau':>5s} {'alpha':>6s} {'speedup':>8s} {'pred(seed)':>10s} {'pred(+verify)':>13s}")
+    for name, g in gens.items():
+        s = summarize(g)
+        p = prediction(s, base)
+        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        alpha = "-" if s["alpha"] is None else f"{s['alpha']:.3f}"
+        print(f"{name:18s} {s['tokens_per_s']:6.2f} {s['tau']:5.2f} {alpha:>6s} {speedup(s, base):7.2f}x "
+              f"{fmt(p['predicted_speedup']):>10s} {fmt(p['predicted_speedup_verify_cost']):>13s}")
+        c = next(iter(s["c_by_drafter"].values()), None)
+        if c is not None:
+            print(f"  whole drafter: c {c:.3f} (per drafted token, vs one verification forward)")
+        for level, lv in s["levels"].items():
+            print(f"  level {level}: alpha {lv['alpha']:.3f} (vs the level above), c {lv['c']:.3f}, drafted {lv['drafted']}")
+    same = all(a.tokens == b.tokens for n in gens for a, b in zip(gens["ar"], gens[n]))
+    print(f"greedy outputs identical to ar: {same}")
+
+
+if __name__ == "__main__":
+    main()
