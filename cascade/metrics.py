@@ -31,6 +31,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cascade.theory import expected_tokens_per_position, predicted_speedup
+
 if TYPE_CHECKING:
     from cascade.decode import Generation
 
@@ -53,6 +55,7 @@ def summarize(generations: list["Generation"]) -> dict:
     total_drafted = sum(drafted.values())
     levels = _level_stats(steps, per_forward)
     return {
+        "alpha_by_depth": alpha_by_depth(steps),
         "num_generations": len(generations),
         "new_tokens": new_tokens,
         "target_forwards": len(steps),
@@ -70,6 +73,19 @@ def summarize(generations: list["Generation"]) -> dict:
         "overhead_frac": sum(s.overhead_time_s for s in steps) / step_time if step_time else 0.0,
         "levels": levels,
     }
+
+
+def alpha_by_depth(steps) -> list[float]:
+    """Conditional acceptance rate at each draft depth: accepted at depth i / steps that reached
+    depth i (drafted more than i tokens and accepted the first i). With these rates
+    ``theory.expected_tokens_per_position`` needs no independence assumption."""
+    reached: dict[int, int] = defaultdict(int)
+    kept: dict[int, int] = defaultdict(int)
+    for s in steps:
+        for i in range(min(s.drafted, s.accepted + 1)):
+            reached[i] += 1
+            kept[i] += i < s.accepted
+    return [kept[i] / reached[i] for i in range(len(reached))]
 
 
 def _level_stats(steps, per_forward: float) -> dict:
@@ -110,17 +126,26 @@ def prediction(method: dict, baseline: dict) -> dict:
     ``predicted_speedup_verify_cost`` also charges the measured verification cost (one forward
     over k+1 tokens / one autoregressive step) instead of assuming it is 1. Mean γ stands in for a
     varying draft length, and α is assumed equal at every position (see ``cascade.theory``).
+    ``predicted_speedup_per_depth`` replaces that single α by the per-depth conditional rates.
     """
-    from cascade.theory import predicted_speedup
-
     measured = speedup(method, baseline)
     if method["alpha"] is None or not method["drafted_per_step"]:
-        return {"predicted_speedup": None, "predicted_speedup_verify_cost": None, "measured_over_predicted": None}
+        return {"predicted_speedup": None, "predicted_speedup_verify_cost": None, "predicted_speedup_per_depth": None,
+                "measured_over_predicted": None, "predicted_tau_iid": None}
     ar_step = baseline["target_time_per_forward_s"]
     gamma, c = method["drafted_per_step"], method["draft_time_per_token_s"] / ar_step
+    verify_cost = method["target_time_per_forward_s"] / ar_step
     seed = predicted_speedup(method["alpha"], gamma, c)
-    charged = predicted_speedup(method["alpha"], gamma, c, method["target_time_per_forward_s"] / ar_step)
+    charged = predicted_speedup(method["alpha"], gamma, c, verify_cost)
+    tau_depth = expected_tokens_per_position(method["alpha_by_depth"][: round(gamma)])
     return {
+        # tokens per forward the single-alpha (independent positions) formula expects, next to
+        # the per-depth rates (exact for a fixed draft length): their gap is the cost of the
+        # independence assumption (acceptance is correlated along a draft).
+        "predicted_tau_iid": predicted_speedup(method["alpha"], gamma, 0.0),
+        "predicted_tau_per_depth": tau_depth,
+        # per-depth tau over the measured cost of a round: no independence assumption
+        "predicted_speedup_per_depth": tau_depth / (verify_cost + gamma * c),
         "predicted_speedup": seed,
         "predicted_speedup_verify_cost": charged,
         "measured_over_predicted": measured / seed,

@@ -29,7 +29,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -61,11 +61,9 @@ def validate(cfg: DictConfig) -> None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"missing required value(s): {', '.join(missing)} (set them on the command line, e.g. {missing[0]}=...)")
-    from hydra._internal.utils import _locate
-
     for target in _targets(OmegaConf.to_container(cfg.method, resolve=False)):
         try:
-            _locate(target)
+            get_object(target)
         except ImportError as exc:
             raise ConfigError(
                 f"method {cfg.method.name!r} needs {target}, which is not yet available in this version of cascade"
@@ -115,7 +113,7 @@ def _table(results: dict) -> str:
     lines = [f"{'method':16s} {'tau':>6s} {'alpha':>6s} {'tok/s':>8s} {'speedup':>8s} {'predicted':>9s}"]
     for name, r in results.items():
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.3f}"
-        pred = "-" if r["predicted_speedup_verify_cost"] is None else f"{r['predicted_speedup_verify_cost']:.2f}x"
+        pred = "-" if r["predicted_speedup_per_depth"] is None else f"{r['predicted_speedup_per_depth']:.2f}x"
         lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>6s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x {pred:>9s}")
         for level, lv in r["levels"].items():
             if lv["alpha"] is not None:

@@ -53,17 +53,21 @@ def main() -> None:
     base = summarize(gens["ar"])
     print(f"\n{args.target} <- {args.drafter}, humaneval x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "
           f"target {'fp32+oneDNN' if args.onednn else 'bf16'}, drafter bf16, k={args.k}, k_ngram={args.k_ngram}")
-    print(f"{'method':18s} {'tok/s':>6s} {'tau':>5s} {'alpha':>6s} {'speedup':>8s} {'pred(seed)':>10s} {'pred(+verify)':>13s}")
+    print(f"{'method':18s} {'tok/s':>6s} {'tau':>5s} {'alpha':>6s} {'speedup':>8s} {'pred(seed)':>10s} {'pred(+verify)':>13s} {'pred(depth)':>11s}")
     for name, g in gens.items():
         s = summarize(g)
         p = prediction(s, base)
         fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         alpha = "-" if s["alpha"] is None else f"{s['alpha']:.3f}"
         print(f"{name:18s} {s['tokens_per_s']:6.2f} {s['tau']:5.2f} {alpha:>6s} {speedup(s, base):7.2f}x "
-              f"{fmt(p['predicted_speedup']):>10s} {fmt(p['predicted_speedup_verify_cost']):>13s}")
+              f"{fmt(p['predicted_speedup']):>10s} {fmt(p['predicted_speedup_verify_cost']):>13s} {fmt(p['predicted_speedup_per_depth']):>11s}")
         c = next(iter(s["c_by_drafter"].values()), None)
         if c is not None:
-            print(f"  whole drafter: c {c:.3f} (per drafted token, vs one verification forward)")
+            print(f"  whole drafter: c {c:.3f} (per drafted token, vs one verification forward), "
+                  f"mean draft {s['drafted_per_step']:.2f}, verification forward {s['target_time_per_forward_s'] / base['target_time_per_forward_s']:.2f}x an AR step")
+            print(f"  tau measured {s['tau']:.2f}; predicted from one alpha (independent positions) {p['predicted_tau_iid']:.2f}, "
+                  f"from per-depth alpha {p['predicted_tau_per_depth']:.2f}; alpha by depth "
+                  + " ".join(f"{a:.2f}" for a in s["alpha_by_depth"]))
         for level, lv in s["levels"].items():
             print(f"  level {level}: alpha {lv['alpha']:.3f} (vs the level above), c {lv['c']:.3f}, drafted {lv['drafted']}")
     same = all(a.tokens == b.tokens for n in gens for a, b in zip(gens["ar"], gens[n]))

@@ -54,3 +54,13 @@ def test_real_model_vocabulary_is_checked(smollm):
 
     with pytest.raises(ValueError, match="vocabulary size"):
         generate(target, [1, 2, 3], drafter=SmallLMDrafter(tiny_llama(dtype="float32")), max_new_tokens=2)
+
+
+def test_chat_template_on_and_off(smollm):
+    from cascade.data import encode_prompt
+
+    target, _ = smollm
+    plain = encode_prompt(target, "What is 2 + 2?")
+    chat = encode_prompt(target, "What is 2 + 2?", chat_template=True)
+    assert len(chat) > len(plain) and all(isinstance(t, int) for t in chat)
+    assert "What is 2 + 2?" in target.decode(chat) and target.decode(chat) != target.decode(plain)

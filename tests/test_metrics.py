@@ -1,0 +1,45 @@
+"""Summaries from hand-made step records."""
+
+import pytest
+
+from cascade.decode import Generation
+from cascade.metrics import alpha_by_depth, prediction, speedup, summarize
+from cascade.types import StepRecord
+
+
+def _step(drafted, accepted, emitted=None, draft_t=0.1, target_t=1.0, drafter="d"):
+    emitted = accepted + 1 if emitted is None else emitted
+    return StepRecord(0, drafter, drafted, accepted, emitted, [0] * drafted, [0] * emitted, [0] * (drafted + 1),
+                      draft_t, target_t, draft_t + target_t + 0.01)
+
+
+def test_summary_counts_the_bonus_token_and_sums_over_steps():
+    steps = [_step(4, 4), _step(4, 1), _step(4, 0), _step(2, 2, emitted=2)]
+    gen = Generation(tokens=[0] * 11, prompt_len=3, steps=steps, wall_time_s=5.0, prefill_time_s=0.5, stop_reason="max_new_tokens")
+    s = summarize([gen])
+    assert s["tau"] == pytest.approx((5 + 2 + 1 + 2) / 4)
+    assert s["alpha"] == pytest.approx(7 / 14)
+    assert s["c_by_drafter"]["d"] == pytest.approx((0.4 / 14) / 1.0)
+    assert s["tokens_per_s"] == pytest.approx(11 / 5.0)
+    assert s["overhead_frac"] == pytest.approx(0.04 / sum(st.step_time_s for st in steps))
+    assert s["alpha_by_depth"] == pytest.approx([3 / 4, 2 / 3, 1.0, 1.0])
+
+
+def test_alpha_by_depth_only_counts_reached_positions():
+    assert alpha_by_depth([_step(3, 0), _step(3, 0)]) == [0.0]
+    assert alpha_by_depth([_step(0, 0)]) == []
+
+
+def test_speedup_and_prediction_use_totals():
+    base = {"tokens_per_s": 2.0, "target_time_per_forward_s": 0.5}
+    method = {"tokens_per_s": 3.0, "alpha": 0.8, "drafted_per_step": 4.0, "draft_time_per_token_s": 0.05,
+              "target_time_per_forward_s": 1.0, "alpha_by_depth": [0.9, 0.8, 0.8, 0.7]}
+    assert speedup(method, base) == 1.5
+    p = prediction(method, base)
+    el = (1 - 0.8**5) / 0.2
+    assert p["predicted_speedup"] == pytest.approx(el / (1 + 4 * 0.1))
+    assert p["predicted_speedup_verify_cost"] == pytest.approx(el / (2 + 4 * 0.1))
+    assert p["predicted_tau_iid"] == pytest.approx(el)
+    assert p["predicted_tau_per_depth"] == pytest.approx(1 + 0.9 + 0.72 + 0.576 + 0.4032)
+    assert p["predicted_speedup_per_depth"] == pytest.approx(p["predicted_tau_per_depth"] / (2 + 4 * 0.1))
+    assert p["measured_over_predicted"] == pytest.approx(1.5 / p["predicted_speedup"])
