@@ -43,12 +43,6 @@ def hf_generate(target, ids, max_new, **kwargs) -> tuple[list[int], float]:
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def top2_gap(target, ids: list[int]) -> float:
-    logits = target.forward(ids, target.new_cache(), keep_last=1)[-1].float()
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -127,7 +121,7 @@ def main() -> None:
         for ids, a, b in zip(prompts, gens["ar"], gens[name]):
             j = next((j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
             if j is not None:
-                divergences.append({"method": name, "position": j, "top2_gap": top2_gap(target, ids + a.tokens[:j])})
+                divergences.append({"method": name, "position": j, "top2_gap": target.top2_gap(ids + a.tokens[:j])})
     same = sum(1 for n in spec for a, b in zip(gens["ar"], gens[n]) if a.tokens == b.tokens)
     print(f"greedy outputs identical to ar: {same}/{len(spec) * len(prompts)}; divergences: {divergences or 'none'}")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,5 +1,6 @@
 """The CausalLM wrapper: explicit positions, 4D masks on top of the cache, cropping."""
 
+import pytest
 import torch
 
 from cascade.models import tiny_llama
@@ -72,3 +73,9 @@ def test_auto_backend_choice():
     dtype, onednn = auto_backend(torch.device("cpu"))
     assert (dtype, onednn) == ((torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True))
     assert auto_backend(torch.device("cuda")) == (torch.bfloat16, False)
+
+
+def test_top2_gap(tiny_target):
+    logits = tiny_target.forward([1, 2], tiny_target.new_cache())[-1]
+    top = torch.topk(logits, 2).values
+    assert tiny_target.top2_gap([1, 2]) == pytest.approx(float(top[0] - top[1]))

@@ -8,7 +8,6 @@ near-tie (gap < 1e-3 in float32) produced by batched-verification numerics, neve
 """
 
 import pytest
-import torch
 
 from cascade import generate, load_model
 from cascade.data import BUILTIN, encode_prompt
@@ -24,12 +23,6 @@ def smollm():
     return target, drafter_lm
 
 
-def top2_gap(target, ids):
-    logits = target.forward(ids, target.new_cache(), keep_last=1)[-1]
-    top = torch.topk(logits.float(), 2).values
-    return float(top[0] - top[1])
-
-
 @pytest.mark.parametrize("kind", ["small_lm", "ngram"])
 def test_real_model_greedy_matches_autoregressive(smollm, kind):
     target, drafter_lm = smollm
@@ -42,7 +35,7 @@ def test_real_model_greedy_matches_autoregressive(smollm, kind):
         accepted += sum(s.accepted for s in sp.steps)
         if sp.tokens != ar.tokens:
             j = next((j for j, (a, b) in enumerate(zip(ar.tokens, sp.tokens)) if a != b), min(len(ar.tokens), len(sp.tokens)))
-            divergences.append((prompt.id, j, top2_gap(target, ids + ar.tokens[:j])))
+            divergences.append((prompt.id, j, target.top2_gap(ids + ar.tokens[:j])))
     print(f"{kind}: divergences (prompt, position, top-2 logit gap): {divergences or 'none'}")
     assert all(gap < 1e-3 for _, _, gap in divergences), divergences
     assert accepted > 0

@@ -91,6 +91,13 @@ class CausalLM:
         )
         return out.logits[0]  # [n, V] or [keep_last, V]
 
+    def top2_gap(self, ids: list[int]) -> float:
+        """Gap between the two largest next-token logits after ``ids``: how near a tie the greedy
+        choice is (used to report greedy divergences caused by batched numerics)."""
+        logits = self.forward(ids, self.new_cache(), keep_last=1)[-1].float()
+        top = torch.topk(logits, 2).values
+        return float(top[0] - top[1])
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. Models without a tokenizer (tiny test models with a vocabulary of
         at least 256) use the UTF-8 bytes as ids."""
