@@ -144,7 +144,7 @@ class HorizontalCascade(Drafter):
         budget = min(budget, self.k)
         tokens: list[int] = []
         segments: list[DraftBlock] = []
-        stats: dict = {}
+        spans: list[dict] = []  # where each entry's tokens sit in the draft, for per-segment alpha
         carry = 0  # positions a previous entry left unfilled
         for drafter, share in self.schedule:
             want = min(share + carry, budget - len(tokens))
@@ -152,11 +152,11 @@ class HorizontalCascade(Drafter):
                 break
             t0 = time.perf_counter()
             block = drafter.propose(context + tokens, want)
-            _merge_level_stats(stats, drafter.name, block.k, 0, time.perf_counter() - t0)
+            spans.append({"drafter": drafter.name, "start": len(tokens), "len": block.k, "time_s": time.perf_counter() - t0})
             carry = want - block.k
             tokens += block.tokens.tolist()
             segments.append(block)
-        return DraftBlock(torch.tensor(tokens, dtype=torch.long), _stack_q(segments), self.name, {"segments": stats})
+        return DraftBlock(torch.tensor(tokens, dtype=torch.long), _stack_q(segments), self.name, {"segments": spans})
 
     def observe(self, context: list[int], result: VerifyResult) -> None:
         for drafter, _ in self.schedule:

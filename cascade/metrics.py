@@ -20,7 +20,8 @@ Definitions (summed over all steps of all generations in a run, never averaged p
 ``levels``
     for cascades, per inner level: ``alpha`` (accepted by the level above it / drafted) and
     ``c`` (its time per drafted token / target time per verification forward). The top level of
-    a vertical cascade is listed with the target's acceptance of its tokens.
+    a vertical cascade is listed with the target's acceptance of its tokens; each entry of a
+    horizontal schedule with the target's acceptance of the positions it filled.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ def _level_stats(steps, per_forward: float) -> dict:
             add(s.info["top"], s.drafted, s.accepted, s.info["top_time_s"])
         for name, lv in s.info.get("levels", {}).items():
             add(name, lv["drafted"], lv["accepted"], lv["time_s"])
+        for seg in s.info.get("segments", []):  # horizontal cascade: the target judges each span
+            kept = min(max(s.accepted - seg["start"], 0), seg["len"])
+            add(seg["drafter"], seg["len"], kept, seg["time_s"])
     return {
         name: {
             "drafted": a["drafted"],

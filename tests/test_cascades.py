@@ -111,3 +111,15 @@ def test_lenient_middle_level_fails(small_models, monkeypatch):
     monkeypatch.setattr(cascades_mod, "verify_chain_sampled", _lenient_inner_verify)
     cascade = VerticalCascade([SmallLMDrafter(mid, k=3), SmallLMDrafter(low, k=2)])
     assert lossless_pvalue(target, cascade, SamplingConfig(temperature=1.0), PROMPT, N) < LEVEL
+
+
+def test_horizontal_cascade_records_per_segment_alpha(tiny_target, lms):
+    close, _, far = lms
+    first, second = SmallLMDrafter(close, k=2), SmallLMDrafter(far, k=3)
+    cascade = HorizontalCascade([(first, 2), (second, 3)])
+    out = generate(tiny_target, [1, 2, 3, 1, 2], drafter=cascade, max_new_tokens=30, stop_on_eos=False)
+    levels = out.summary()["levels"]
+    assert set(levels) == {first.name, second.name}
+    accepted = sum(s.accepted for s in out.steps)
+    kept = sum(round(lv["alpha"] * lv["drafted"]) for lv in levels.values())
+    assert kept == accepted and levels[first.name]["alpha"] >= levels[second.name]["alpha"]
