@@ -62,8 +62,7 @@ class VerticalCascade(Drafter):
 
     def check_compatible(self, target: CausalLM) -> None:
         self.top.check_compatible(target)
-        if isinstance(self.lower, (SmallLMDrafter, VerticalCascade, HorizontalCascade)):
-            self.lower.check_compatible(self.top.model)
+        self.lower.check_compatible(self.top.model)  # the lower level drafts for the top's model
 
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)

@@ -165,3 +165,11 @@ def write_jsonl_atomic(path: str | Path, rows) -> None:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """One JSON document, written like :func:`write_jsonl_atomic` (temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)

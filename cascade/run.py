@@ -18,9 +18,7 @@ file; a directory that already holds a ``summary.json`` is refused unless ``over
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import platform
 import subprocess
 from importlib.metadata import version
@@ -35,7 +33,7 @@ from tqdm.auto import tqdm
 
 from cascade.data import encode_prompt, load_prompts
 from cascade.decode import generate
-from cascade.metrics import prediction, speedup, summarize, write_jsonl_atomic
+from cascade.metrics import prediction, speedup, summarize, write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
 
 log = logging.getLogger(__name__)
@@ -169,9 +167,7 @@ def run(cfg: DictConfig) -> dict:
         out_dir / "steps.jsonl",
         ({"method": n, "prompt": p.id, **s.to_dict()} for n, g in gens.items() for p, gen in zip(prompt_set, g) for s in gen.steps),
     )
-    tmp = out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, out_dir / "summary.json")  # last: its presence marks a complete run
+    write_json_atomic(out_dir / "summary.json", summary)  # last: its presence marks a complete run
     print(_table(results))
     log.info("results in %s", out_dir)
     return summary
