@@ -16,7 +16,8 @@ Horizontal cascade
     schedule, a schedule entry can be a vertical cascade): CS Drafting's ``k``-matrix.
 
 Each level keeps its KV cache in sync with the accepted prefix through its own longest-common-
-prefix bookkeeping (``SmallLMDrafter.score``), so no level needs to be told what was accepted.
+prefix bookkeeping (``SmallLMDrafter.score``) or, for levels sharing the target's cache, by
+leaving that cache as they found it, so no level needs to be told what was accepted.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import torch
 
 from cascade.drafters.base import Drafter
-from cascade.drafters.small_lm import SmallLMDrafter
+from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM
 from cascade.rejection import verify_chain_greedy, verify_chain_sampled
 from cascade.sampling import logits_to_probs
@@ -44,9 +45,9 @@ def _merge_level_stats(into: dict, name: str, drafted: int, accepted: int, time_
 class VerticalCascade(Drafter):
     """Level 1 drafts with speculative decoding, using the rest of the levels as its drafter.
 
-    levels: ``[top, lower_1, lower_2, ...]``. ``top`` must be a ``SmallLMDrafter`` (it verifies
-    the level below with its model); every level but the last must be one too, since each
-    verifies the next. ``top.k`` is the number of tokens handed up per round (its budget);
+    levels: ``[top, lower_1, lower_2, ...]``. ``top`` must be an ``LMDrafter`` (a small LM, a
+    quantized LM, a layer-skip exit: it verifies the level below with its ``score``); every level
+    but the last must be one too, since each verifies the next. ``top.k`` is the number of tokens handed up per round (its budget);
     each lower level's own ``k`` is its budget per inner round.
     """
 
@@ -54,8 +55,8 @@ class VerticalCascade(Drafter):
         levels = list(levels)
         if len(levels) < 2:
             raise ValueError("a vertical cascade needs at least two levels")
-        if not isinstance(levels[0], SmallLMDrafter):
-            raise TypeError(f"the top level of a vertical cascade must be a SmallLMDrafter, got {type(levels[0]).__name__}")
+        if not isinstance(levels[0], LMDrafter):
+            raise TypeError(f"the top level of a vertical cascade must be an LMDrafter, got {type(levels[0]).__name__}")
         self.top = levels[0]
         self.lower: Drafter = levels[1] if len(levels) == 2 else VerticalCascade(levels[1:])
         self.name = name or " <- ".join([self.top.name, self.lower.name])
@@ -63,6 +64,10 @@ class VerticalCascade(Drafter):
     def check_compatible(self, target: CausalLM) -> None:
         self.top.check_compatible(target)
         self.lower.check_compatible(self.top.model)  # the lower level drafts for the top's model
+
+    def bind(self, target: CausalLM, cache) -> None:
+        self.top.bind(target, cache)
+        self.lower.bind(target, cache)
 
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
@@ -133,6 +138,10 @@ class HorizontalCascade(Drafter):
     def check_compatible(self, target: CausalLM) -> None:
         for drafter, _ in self.schedule:
             drafter.check_compatible(target)
+
+    def bind(self, target: CausalLM, cache) -> None:
+        for drafter, _ in self.schedule:
+            drafter.bind(target, cache)
 
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)

@@ -130,11 +130,13 @@ def generate(
     gen = generator if generator is not None else make_generator(seed, target.device)
     if drafter is not None:
         drafter.check_compatible(target)
-        drafter.reset(sampling, gen)
 
     device = target.device
     t_start = _now(device)
     cache = target.new_cache()
+    if drafter is not None:
+        drafter.bind(target, cache)
+        drafter.reset(sampling, gen)
     if len(prompt) > 1:
         target.forward(prompt[:-1], cache, keep_last=1)  # prefill all but the last token
     prefill_time = _now(device) - t_start

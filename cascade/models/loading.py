@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cascade.models import zoo
 from cascade.models.cpu_kernels import use_onednn_linears
 from cascade.models.lm import CausalLM
+from cascade.models.quantize import bitsandbytes_config, quantize_int8_dynamic, resolve_method
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,10 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
 
 
 def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.device, **kwargs) -> CausalLM:
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
+    if "quantization_config" in kwargs:  # bitsandbytes places the weights itself
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map={"": device}, **kwargs).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs).to(device).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
     except (OSError, ValueError) as exc:  # a weights-only directory is still usable with token ids
@@ -79,6 +83,7 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device | None = None,
     onednn: bool = False,
+    quantize: str | None = None,
 ) -> CausalLM:
     """Load a model usable as target or inside a drafter.
 
@@ -90,6 +95,9 @@ def load_model(
     ``onednn=True`` (fp32 on CPU only) runs the linear layers through oneDNN, whose cost grows
     far less with the number of tokens per forward on CPUs without native bf16; see
     ``cascade.models.cpu_kernels``. ``dtype="auto"`` picks the backend (:func:`auto_backend`).
+
+    ``quantize`` ("auto", "int8_dynamic" on CPU, "nf4" on CUDA; see ``cascade.models.quantize``)
+    loads a quantized copy, for drafters. int8_dynamic loads fp32 whatever ``dtype`` says.
     """
     device = resolve_device(device)
     if dtype == "auto":
@@ -97,9 +105,28 @@ def load_model(
     dtype = resolve_dtype(dtype)
     if onednn and (dtype != torch.float32 or device.type != "cpu"):
         raise ValueError("onednn=True needs dtype float32 on the CPU")
+    if quantize is not None:
+        if onednn:
+            raise ValueError("quantize and onednn are exclusive (both replace the linear layers)")
+        return _load_quantized(name_or_path, resolve_method(quantize, device), device)
     lm = _load(name_or_path, dtype, device)
     if onednn:
         use_onednn_linears(lm.model)
+    return lm
+
+
+def _load_quantized(name_or_path: str | Path, method: str, device: torch.device) -> CausalLM:
+    if method == "int8_dynamic":
+        lm = _load(name_or_path, torch.float32, device)
+        quantize_int8_dynamic(lm.model)
+    else:  # nf4 is applied by transformers while loading: the source must be a checkpoint directory
+        text = str(name_or_path)
+        source = zoo.fetch(text) if text in zoo.ZOO else Path(text).expanduser()
+        if not Path(source).is_dir():
+            raise ValueError(f"quantize='nf4' needs a zoo name or a checkpoint directory, got {text!r}")
+        lm = _from_pretrained(source, torch.bfloat16, device, quantization_config=bitsandbytes_config())
+        lm.name = text
+    lm.name = f"{lm.name}[{method}]"
     return lm
 
 

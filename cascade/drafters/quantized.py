@@ -1,0 +1,30 @@
+"""Quantized-LM drafter: a small LM drafter whose model is a quantized copy of a given model
+(a small LM, or the target itself: "quantized self-drafting")."""
+
+from __future__ import annotations
+
+from cascade.drafters.small_lm import SmallLMDrafter
+from cascade.drafters.stopping import StopPolicy
+from cascade.models.lm import CausalLM
+from cascade.models.loading import load_model
+from cascade.models.quantize import quantized_copy
+
+
+class QuantizedLMDrafter(SmallLMDrafter):
+    """``model``: a model name/path (loaded quantized with ``quantize``) or a loaded ``CausalLM``
+    (copied, then quantized; the original is untouched). ``quantize``: "auto" (nf4 on CUDA,
+    int8_dynamic on CPU), "int8_dynamic" or "nf4"; see ``cascade.models.quantize``."""
+
+    def __init__(
+        self,
+        model: CausalLM | str,
+        quantize: str = "auto",
+        device: str | None = None,
+        k: int = 4,
+        sample: bool = True,
+        stop: StopPolicy | None = None,
+        stop_below: float | None = None,
+        name: str | None = None,
+    ) -> None:
+        lm = quantized_copy(model, quantize) if isinstance(model, CausalLM) else load_model(model, device=device, quantize=quantize)
+        super().__init__(lm, k=k, sample=sample, stop=stop, stop_below=stop_below, name=name or f"quantized({lm.name})")

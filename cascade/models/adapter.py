@@ -1,0 +1,143 @@
+"""Kangaroo's exit adapter: one attention layer and two norms on top of an early exit.
+
+``ExitAdapter.from_target(lm, exit_layer)`` builds the adapter from the target's own classes (its
+attention module and RMSNorm, so RoPE, GQA and biases match the family) and initialises it
+from the target's layer ``exit_layer`` (its input norm and attention) and final norm: before
+training it is "half of the next layer", a better start than random. Its output goes through the
+target's LM head (shared, not copied). It keeps its own one-layer KV cache.
+
+Checkpoints are ``torch.save`` dicts (format ``cascade.exit_adapter/1``) holding the exit layer,
+the target's name and sizes, the state dict and the training metrics; ``load`` refuses a
+checkpoint made for another target shape or exit layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from cascade.models.cpu_kernels import OneDNNLinear
+from cascade.models.layers import decoder_parts
+from cascade.models.lm import CausalLM
+
+FORMAT = "cascade.exit_adapter/1"
+
+
+def _dense_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict of ``module`` with any OneDNNLinear child read back as a dense Linear's."""
+    state = {}
+    for name, child in module.named_children():
+        if isinstance(child, OneDNNLinear):
+            state[f"{name}.weight"] = child.weight_onednn.to_dense()
+            state[f"{name}.bias"] = child.bias_onednn.to_dense()
+        else:
+            state.update({f"{name}.{k}": v for k, v in child.state_dict().items()})
+    state.update({k: v.detach() for k, v in module.named_parameters(recurse=False)})
+    return state
+
+
+class ExitAdapter(nn.Module):
+    def __init__(self, attn: nn.Module, in_norm: nn.Module, out_norm: nn.Module, config, exit_layer: int, target_name: str) -> None:
+        super().__init__()
+        self.attn, self.in_norm, self.out_norm = attn, in_norm, out_norm
+        self.config = config  # a one-layer copy of the target's config (the target's is untouched)
+        self.exit_layer = exit_layer
+        self.target_name = target_name
+        self.hidden_size = int(config.hidden_size)
+
+    @classmethod
+    def from_target(cls, lm: CausalLM, exit_layer: int) -> "ExitAdapter":
+        parts = decoder_parts(lm)
+        if not 1 <= exit_layer < parts.num_layers:
+            raise ValueError(f"exit_layer must lie in [1, {parts.num_layers - 1}], got {exit_layer}")
+        config = copy.deepcopy(parts.config)
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None):
+            config.layer_types = [config.layer_types[exit_layer]]
+        src = parts.layers[exit_layer]
+        attn = type(src.self_attn)(config, layer_idx=0)
+        attn.load_state_dict({k: v.float() for k, v in _dense_state(src.self_attn).items()})
+        in_norm = copy.deepcopy(src.input_layernorm).float()
+        out_norm = copy.deepcopy(parts.norm).float()
+        return cls(attn.float(), in_norm, out_norm, config, exit_layer, lm.name)
+
+    # ---- cache ------------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @staticmethod
+    def cache_len(cache: DynamicCache) -> int:
+        return int(cache.get_seq_length())
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        drop = int(cache.get_seq_length()) - length
+        if drop > 0:
+            cache.crop(-drop)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        """hidden: [n, H] exit hidden states at ``positions`` [n] -> adapted, normed [n, H].
+        With a cache, the n positions are appended to it (they must follow its content)."""
+        parts = decoder_parts(lm)
+        x = hidden.unsqueeze(0).to(self.out_norm.weight.dtype)  # [1, n, H]
+        pos = positions.reshape(1, -1).to(x.device)  # [1, n]
+        pe = parts.rotary(x, position_ids=pos)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=cache, position_ids=pos)
+        a, _ = self.attn(self.in_norm(x), position_embeddings=pe, attention_mask=mask, cache=cache, use_cache=cache is not None)
+        return self.out_norm(x + a)[0]  # [n, H]
+
+    @torch.inference_mode()
+    def extend(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> None:
+        """Append committed positions to the adapter's cache (no LM head)."""
+        self.forward(lm, hidden, positions, cache)
+
+    @torch.inference_mode()
+    def logits(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """[n, V] next-token logits through the target's LM head."""
+        out = self.forward(lm, hidden, positions, cache)
+        return decoder_parts(lm).head(out.to(lm.dtype))
+
+    def check_target(self, lm: CausalLM, exit_layer: int) -> None:
+        """Refuse another exit layer or target shape; move to the target's device and dtype."""
+        if exit_layer != self.exit_layer:
+            raise ValueError(f"adapter was trained on exit layer {self.exit_layer}, the drafter uses {exit_layer}")
+        if int(lm.model.config.hidden_size) != self.hidden_size:
+            raise ValueError(f"adapter hidden size {self.hidden_size} != target {lm.name!r} hidden size {lm.model.config.hidden_size}")
+        self.to(lm.device, lm.dtype).eval()
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save(self, path: str | Path, metrics: dict | None = None) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "format": FORMAT, "exit_layer": self.exit_layer, "target": self.target_name,
+            "hidden_size": self.hidden_size,
+            "state_dict": {k: v.detach().float().cpu() for k, v in self.state_dict().items()},
+            "metrics": metrics or {},
+        }
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        torch.save(payload, tmp)
+        os.replace(tmp, path)  # atomic: an interrupted save never leaves a half-written checkpoint
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, lm: CausalLM) -> "ExitAdapter":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"adapter checkpoint {path} does not exist (train one with python -m cascade.train_adapter)")
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a cascade exit-adapter checkpoint")
+        adapter = cls.from_target(lm, int(payload["exit_layer"]))
+        if payload["hidden_size"] != adapter.hidden_size:
+            raise ValueError(f"{path} was trained for hidden size {payload['hidden_size']}, target {lm.name!r} has {adapter.hidden_size}")
+        adapter.load_state_dict(payload["state_dict"])
+        adapter.metrics = payload.get("metrics", {})
+        return adapter

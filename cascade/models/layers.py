@@ -1,0 +1,101 @@
+"""Layer-level access to a decoder-only model: run its first ``n`` layers on its own KV cache.
+
+This is the one place that knows how a transformers decoder is put together (embeddings, a
+``layers`` list, a final ``norm``, a ``rotary_emb``, the LM head): the Llama / Qwen2 / Mistral
+family, whose ``Model.forward`` this mirrors layer for layer (same mask builder, same position
+embeddings, same layer call), stopping after ``n`` layers. Nothing here mutates the model or its
+config: self-drafting shares the target's weights and cache as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from cascade.models.lm import CausalLM
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    embed: torch.nn.Module
+    layers: torch.nn.ModuleList
+    norm: torch.nn.Module
+    rotary: torch.nn.Module
+    head: torch.nn.Module
+    config: object
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+
+def decoder_parts(lm: CausalLM) -> DecoderParts:
+    base = lm.model.get_decoder()
+    missing = [a for a in ("layers", "norm", "rotary_emb") if not hasattr(base, a)]
+    if missing:
+        raise TypeError(
+            f"model {lm.name!r} ({type(base).__name__}) lacks {missing}: layer access supports decoders "
+            "built like Llama / Qwen2 / Mistral (embed_tokens, layers, norm, rotary_emb)"
+        )
+    return DecoderParts(lm.model.get_input_embeddings(), base.layers, base.norm, base.rotary_emb,
+                        lm.model.get_output_embeddings(), lm.model.config)
+
+
+def _masks(config, hidden: torch.Tensor, attention_mask, cache, position_ids) -> dict:
+    kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask, "cache": cache,
+              "position_ids": position_ids}
+    masks = {"full_attention": create_causal_mask(**kwargs)}
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+    return masks
+
+
+@torch.inference_mode()
+def run_layers(
+    lm: CausalLM,
+    tokens: torch.Tensor | list[int],  # [n]
+    cache: DynamicCache,
+    n_layers: int,
+    position_ids: torch.Tensor | None = None,  # [n]; default: continue after layer 0's cache
+    attention_mask: torch.Tensor | None = None,  # [1, 1, n, past + n] float, 0 / -inf (trees)
+) -> torch.Tensor:
+    """Hidden states [n, H] after the first ``n_layers`` decoder layers (before the final norm).
+    Appends the n positions to the cache of those layers only."""
+    parts = decoder_parts(lm)
+    if not 1 <= n_layers <= parts.num_layers:
+        raise ValueError(f"n_layers must lie in [1, {parts.num_layers}], got {n_layers}")
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=lm.device).reshape(1, -1)  # [1, n]
+    if position_ids is None:
+        start = int(cache.layers[0].get_seq_length()) if len(cache.layers) else 0
+        position_ids = torch.arange(start, start + ids.shape[1], device=lm.device)
+    position_ids = position_ids.reshape(1, -1).to(lm.device)  # [1, n]
+    hidden = parts.embed(ids)  # [1, n, H]
+    masks = _masks(parts.config, hidden, attention_mask, cache, position_ids)
+    position_embeddings = parts.rotary(hidden, position_ids=position_ids)
+    layer_types = getattr(parts.config, "layer_types", None) or ["full_attention"] * parts.num_layers
+    for i, layer in enumerate(parts.layers[:n_layers]):
+        hidden = layer(hidden, attention_mask=masks[layer_types[i]], position_embeddings=position_embeddings,
+                       position_ids=position_ids, cache=cache, use_cache=True)
+    return hidden[0]  # [n, H]
+
+
+@torch.inference_mode()
+def head_logits(lm: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """The final norm and LM head on hidden states [n, H] -> logits [n, V]."""
+    parts = decoder_parts(lm)
+    return parts.head(parts.norm(hidden))
+
+
+def layer_lengths(cache: DynamicCache) -> list[int]:
+    return [int(layer.get_seq_length()) for layer in cache.layers]
+
+
+def crop_layers(cache: DynamicCache, n_layers: int, length: int) -> None:
+    """Crop the first ``n_layers`` layers of ``cache`` to ``length`` positions."""
+    for layer in cache.layers[:n_layers]:
+        drop = int(layer.get_seq_length()) - length
+        if drop > 0:
+            layer.crop(-drop)
