@@ -51,6 +51,7 @@ def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
         # torch 2.13 deprecates the quantized tensor types these modules use; they are still the
         # fastest CPU int8 path here (see the module docstring), so the notice is not repeated.
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated", category=DeprecationWarning)
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
