@@ -66,12 +66,17 @@ class VerticalCascade(Drafter):
         self.lower.check_compatible(self.top.model)  # the lower level drafts for the top's model
 
     def bind(self, target: CausalLM, cache) -> None:
-        self.top.bind(target, cache)
-        self.lower.bind(target, cache)
+        self.top.bind(target, cache)  # the lower level is bound to the top's model in reset()
 
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
         self.top.reset(sampling, generator)
+        # The lower level drafts for the top's model: a self-drafting lower level (a layer skip
+        # of the top's model) shares the top's cache (the target's, when the top is itself a
+        # layer skip). The top's reset may have made a new cache, hence binding here.
+        top_cache = getattr(self.top, "cache", None)
+        if top_cache is not None:
+            self.lower.bind(self.top.model, top_cache)
         self.lower.reset(sampling, generator)
 
     def _inner_round(self, ctx: list[int], budget: int, deterministic: bool, stats: dict):
@@ -80,6 +85,7 @@ class VerticalCascade(Drafter):
         Returns the emitted tokens, the top level's processed distribution at each emitted
         position when sampling ([m, V], else None), and the top level's own time."""
         t0 = time.perf_counter()
+        self.top.sync(ctx)  # the top's cache must hold a prefix of ctx only (a lower level may share it)
         block = self.lower.propose(ctx, budget - 1) if budget > 1 else DraftBlock.empty(self.lower.name)
         t1 = time.perf_counter()
         logits = self.top.score(ctx, block.tokens.tolist())  # [j+1, V]

@@ -47,6 +47,13 @@ def humaneval() -> list[Prompt]:
     return [Prompt(r["task_id"], r["prompt"]) for r in rows]
 
 
+def humaneval_full() -> list[Prompt]:
+    """HumanEval prompts followed by their canonical solutions: code text for training adapters."""
+    raw = gzip.GzipFile(fileobj=io.BytesIO(_read_member(_HUMANEVAL))).read().decode()
+    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return [Prompt(r["task_id"], r["prompt"] + r["canonical_solution"]) for r in rows]
+
+
 def gsm8k() -> list[Prompt]:
     """The 1,319 GSM8K test questions."""
     lines = _read_member(_GSM8K).decode().splitlines()
@@ -75,8 +82,9 @@ def jsonl_file(path: str | Path, field: str = "prompt") -> list[Prompt]:
 
 
 def load_prompts(name: str, num_prompts: int | None = None, path: str | None = None, field: str = "prompt") -> list[Prompt]:
-    """``name``: humaneval | gsm8k | builtin | jsonl (with ``path``)."""
-    loaders = {"humaneval": humaneval, "gsm8k": gsm8k, "builtin": lambda: list(BUILTIN)}
+    """``name``: humaneval | humaneval_full (prompt + canonical solution) | gsm8k | builtin |
+    jsonl (with ``path``)."""
+    loaders = {"humaneval": humaneval, "humaneval_full": humaneval_full, "gsm8k": gsm8k, "builtin": lambda: list(BUILTIN)}
     if name == "jsonl":
         if not path:
             raise ValueError("dataset 'jsonl' needs a path")

@@ -9,8 +9,8 @@ import torch
 
 from cascade import generate
 from cascade.cascades import VerticalCascade
-from cascade.drafters import ConfidenceStop, LayerSkipDrafter, QuantizedLMDrafter, SmallLMDrafter, ThompsonStop
-from cascade.models import load_model, tiny_llama
+from cascade.drafters import ConfidenceStop, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter, ThompsonStop
+from cascade.models import load_model, perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import head_logits, layer_lengths, run_layers
 from cascade.types import SamplingConfig
@@ -49,6 +49,10 @@ def _drafters(target, adapter):
         "small_lm_thompson": lambda: SmallLMDrafter(tiny_llama(vocab_size=32, seed=3), k=4, stop=ThompsonStop(0.3)),
         "double_early_exit": lambda: VerticalCascade([LayerSkipDrafter(3, k=6), LayerSkipDrafter(1, k=2)]),
         "exit_over_quantized": lambda: VerticalCascade([LayerSkipDrafter(3, k=5), QuantizedLMDrafter(target, "int8_dynamic", k=2)]),
+        # three levels: a small LM, a layer skip of *that* LM (sharing its cache), prompt lookup
+        "lm_exit_of_lm_ngram": lambda: VerticalCascade(
+            [SmallLMDrafter(perturbed_copy(target, 0.05, seed=1), k=6), LayerSkipDrafter(2, k=3), NGramDrafter(k=2)]
+        ),
     }
 
 
@@ -221,7 +225,7 @@ def small_target():
 
 
 @pytest.mark.parametrize(
-    "kind", ["layer_skip", "layer_skip_thompson", "kangaroo", "quantized", "double_early_exit_confidence"]
+    "kind", ["layer_skip", "layer_skip_thompson", "kangaroo", "quantized", "double_early_exit_confidence", "lm_exit_of_lm"]
 )
 def test_sampling_is_lossless(kind, small_target):
     t = small_target
@@ -232,6 +236,9 @@ def test_sampling_is_lossless(kind, small_target):
         "quantized": lambda: QuantizedLMDrafter(t, "int8_dynamic", k=3),
         "double_early_exit_confidence": lambda: VerticalCascade(
             [LayerSkipDrafter(2, k=3), LayerSkipDrafter(1, k=2, stop=ConfidenceStop(0.4))]
+        ),
+        "lm_exit_of_lm": lambda: VerticalCascade(
+            [SmallLMDrafter(perturbed_copy(t, 0.2, seed=5), k=3), LayerSkipDrafter(1, k=2), NGramDrafter(k=1)]
         ),
     }[kind]()
     assert lossless_pvalue(t, drafter, SETTING, PROMPT, N) > LEVEL

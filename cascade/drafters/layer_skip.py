@@ -96,6 +96,9 @@ class LayerSkipDrafter(LMDrafter):
             return  # not a contiguous continuation (another cache): ignore
         self._hidden = torch.cat([keep, hidden])
 
+    def sync(self, context: list[int]) -> int:
+        return self._committed()  # the cache is always left at the committed prefix
+
     # ---- drafting ------------------------------------------------------------------------
     def _committed(self) -> int:
         return layer_lengths(self.cache)[-1] if len(self.cache.layers) else 0

@@ -84,6 +84,12 @@ class LMDrafter(Drafter):
     def _end_draft(self) -> None:
         """Called when a draft is complete."""
 
+    def sync(self, context: list[int]) -> int:
+        """Make the KV cache of ``self.model`` hold a prefix of ``context`` (nothing else); return
+        its length. Called by a vertical cascade before the level below (which may share that
+        cache) drafts."""
+        return 0
+
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         n = min(budget, self.k)
         deterministic = self.sampling.greedy or not self.sample

@@ -49,14 +49,22 @@ class SmallLMDrafter(LMDrafter):
         self.cache = self.model.new_cache()
         self.cached: list[int] = []  # tokens whose keys/values the cache holds, in order
 
+    def sync(self, context: list[int]) -> int:
+        """Crop the cache to its longest common prefix with ``context`` (at most all but its last
+        token), so that it holds a prefix of ``context``; returns that length. A lower cascade
+        level sharing this cache (a layer skip of this model) relies on it."""
+        keep = min(common_prefix_len(self.cached, context), len(context) - 1)
+        self.model.crop(self.cache, keep)
+        self.cached = self.cached[:keep]
+        return keep
+
     def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
         """This model's logits after ``context`` and after each token of ``extra``, in one
         forward: [len(extra) + 1, V]. The cache is first cropped to its longest common prefix
         with ``context``; afterwards it holds ``context + extra``."""
-        keep = min(common_prefix_len(self.cached, context), len(context) - 1)
-        self.model.crop(self.cache, keep)
+        keep = self.sync(context)
         new = context[keep:] + list(extra)
-        self.cached = self.cached[:keep] + new
+        self.cached = self.cached + new
         return self.model.forward(new, self.cache, keep_last=len(extra) + 1)
 
     def _continue(self, token: int) -> torch.Tensor:
