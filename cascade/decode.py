@@ -4,7 +4,8 @@ Cache invariant: before each step the target's KV cache holds every token of the
 the last one. A step feeds ``[last] + draft`` (k+1 tokens) in one forward and gets the target's
 distributions for the k+1 positions after ``last``; after verification the cache is cropped to
 the sequence plus the accepted draft tokens, and the recovered/bonus token becomes the new
-``last``. The autoregressive baseline is the same loop with an empty draft, so both share
+``last``. A tree draft (``DraftBlock.parents``) is verified in the same single forward with
+tree positions and a tree-attention mask, and the cache is compacted to the accepted path. The autoregressive baseline is the same loop with an empty draft, so both share
 every line of code but the drafter call.
 """
 
@@ -21,6 +22,7 @@ from cascade.metrics import summarize
 from cascade.models.lm import CausalLM
 from cascade.rejection import verify_chain_greedy, verify_chain_sampled
 from cascade.sampling import logits_to_probs, make_generator
+from cascade.tree import compact_cache, tree_mask, tree_positions, verify_tree_greedy, verify_tree_sampled
 from cascade.types import DraftBlock, SamplingConfig, StepRecord, VerifyResult
 
 
@@ -84,6 +86,13 @@ def _validate(target: CausalLM, prompt: list[int], max_new_tokens: int) -> None:
 def _verify(block: DraftBlock, logits: torch.Tensor, sampling: SamplingConfig, gen) -> tuple[VerifyResult, torch.Tensor]:
     """logits: [k+1, V]. Returns the result and the target's argmax [k+1]."""
     argmax = logits.argmax(-1)  # [k+1]
+    if block.parents is not None:
+        tokens = block.tokens.tolist()
+        if sampling.greedy:
+            return verify_tree_greedy(tokens, block.parents, argmax), argmax
+        p = logits_to_probs(logits, sampling)  # [k+1, V]
+        q = [None] * len(tokens) if block.q is None else list(block.q.to(p.device))
+        return verify_tree_sampled(tokens, block.parents, q, p, gen), argmax
     draft = block.tokens.to(logits.device)
     if sampling.greedy:
         return verify_chain_greedy(draft, argmax), argmax
@@ -149,18 +158,31 @@ def generate(
         # 1. propose: never more than can still be emitted (one slot is kept for the bonus token)
         budget = max_new_tokens - len(new) - 1
         block = drafter.propose(seq, budget) if drafter is not None and budget > 0 else DraftBlock.empty()
-        if block.k > budget:
-            raise RuntimeError(f"drafter {block.drafter!r} proposed {block.k} tokens with a budget of {budget}")
+        if block.depth > budget:
+            raise RuntimeError(f"drafter {block.drafter!r} proposed {block.depth} tokens deep with a budget of {budget}")
         draft = block.tokens.tolist()
         t1 = _now(device)
-        # 2. verify: one target forward over [last] + draft -> logits [k+1, V]
-        logits = target.forward([seq[-1]] + draft, cache)
+        # 2. verify: one target forward over [last] + draft -> logits [k+1, V]; a tree gets its
+        #    positions (prefix length + depth) and tree-attention mask
+        past = len(seq) - 1
+        if block.parents is None:
+            logits = target.forward([seq[-1]] + draft, cache)
+        else:
+            mask = tree_mask(block.parents, past, target.dtype).to(device)
+            logits = target.forward([seq[-1]] + draft, cache, position_ids=tree_positions(block.parents, past), attention_mask=mask)
         t2 = _now(device)
         # 3. accept
         result, argmax = _verify(block, logits, sampling, gen)
-        # 4. commit: the cache keeps the sequence plus the accepted draft tokens
-        target.crop(cache, len(seq) + result.num_accepted)
-        emitted, hit_eos = _cut(draft[: result.num_accepted] + [result.next_token], eos, max_new_tokens - len(new))
+        # 4. commit: the cache keeps the sequence plus the accepted draft tokens (for a tree: the
+        #    accepted path, compacted in place of the whole tree)
+        if block.parents is None:
+            target.crop(cache, len(seq) + result.num_accepted)
+            accepted = draft[: result.num_accepted]
+        else:
+            compact_cache(cache, past, [0] + [i + 1 for i in result.path])
+            accepted = [draft[i] for i in result.path]
+            result.verify_time_s = t2 - t1
+        emitted, hit_eos = _cut(accepted + [result.next_token], eos, max_new_tokens - len(new))
         seq += emitted
         new += emitted
         # 5. observe

@@ -52,6 +52,9 @@ class DraftBlock:
     drafter: str = ""  # name of the drafter that proposed the block
     # Anything a drafter wants logged with the step (e.g. stop decisions); JSON-serialisable.
     info: dict = field(default_factory=dict)
+    # A token tree instead of a chain: parents[i] is the index of node i's parent (-1: a child of
+    # the last committed token), parents before children; see cascade.tree. None: a chain.
+    parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1:
@@ -60,10 +63,21 @@ class DraftBlock:
             raise ValueError(
                 f"DraftBlock.q must be [k, V] with k={self.tokens.shape[0]}, got {tuple(self.q.shape)}"
             )
+        if self.parents is not None and len(self.parents) != self.tokens.shape[0]:
+            raise ValueError(f"DraftBlock.parents has {len(self.parents)} entries for {self.tokens.shape[0]} tokens")
 
     @property
     def k(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def depth(self) -> int:
+        """Length of the longest drafted path (k for a chain)."""
+        if self.parents is None:
+            return self.k
+        from cascade.tree import depths_of
+
+        return max(depths_of(self.parents), default=0)
 
     @staticmethod
     def empty(drafter: str = "") -> "DraftBlock":

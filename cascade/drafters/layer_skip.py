@@ -41,6 +41,8 @@ class LayerSkipDrafter(LMDrafter):
         adapter: ExitAdapter | str | None = None,
         name: str | None = None,
     ) -> None:
+        """adapter: an ``ExitAdapter``, a checkpoint path (from ``python -m cascade.train_adapter``),
+        "init" (untrained, built from the target's layer ``exit_layer``), or None (plain exit)."""
         super().__init__(k=k, sample=sample, stop=stop, stop_below=stop_below)
         if not isinstance(exit_layer, int) or exit_layer < 1:
             raise ValueError(f"exit_layer must be a positive integer, got {exit_layer!r}")
@@ -60,7 +62,9 @@ class LayerSkipDrafter(LMDrafter):
         n = decoder_parts(target).num_layers
         if self.exit_layer >= n:
             raise ValueError(f"exit_layer {self.exit_layer} must be below the target's {n} layers ({target.name!r})")
-        if isinstance(self._adapter_spec, str):  # a checkpoint path: load it for this target
+        if self._adapter_spec == "init":  # untrained, initialised from the target's next layer
+            self.adapter = ExitAdapter.from_target(target, self.exit_layer)
+        elif isinstance(self._adapter_spec, str):  # a checkpoint path: load it for this target
             self.adapter = ExitAdapter.load(self._adapter_spec, target)
         if self.adapter is not None:
             self.adapter.check_target(target, self.exit_layer)

@@ -62,7 +62,8 @@ class ExitAdapter(nn.Module):
             config.layer_types = [config.layer_types[exit_layer]]
         src = parts.layers[exit_layer]
         attn = type(src.self_attn)(config, layer_idx=0)
-        attn.load_state_dict({k: v.float() for k, v in _dense_state(src.self_attn).items()})
+        wanted = attn.state_dict().keys()  # OneDNNLinear always carries a bias; keep only real ones
+        attn.load_state_dict({k: v.float() for k, v in _dense_state(src.self_attn).items() if k in wanted})
         in_norm = copy.deepcopy(src.input_layernorm).float()
         out_norm = copy.deepcopy(parts.norm).float()
         return cls(attn.float(), in_norm, out_norm, config, exit_layer, lm.name)

@@ -90,7 +90,7 @@ def load_model(
     ``name_or_path``: a zoo name (``python -m cascade.models list``; fetched on first use), a
     ``.gguf`` file, a local directory with a transformers checkpoint, a Hugging Face id
     (needs a reachable hub or a populated HF cache), or ``tiny:SEED`` (a tiny random Llama with
-    a 256-token byte-level vocabulary, for debug runs).
+    a 256-token byte-level vocabulary and 4 layers, for debug runs).
 
     ``onednn=True`` (fp32 on CPU only) runs the linear layers through oneDNN, whose cost grows
     far less with the number of tokens per forward on CPUs without native bf16; see
@@ -136,7 +136,7 @@ def _load(name_or_path: str | Path, dtype: torch.dtype, device: torch.device) ->
     if text.startswith("tiny:"):
         from cascade.models.tiny import tiny_llama  # tiny imports this module
 
-        return tiny_llama(vocab_size=256, seed=int(text[5:]), dtype=dtype, device=device, name=text)
+        return tiny_llama(vocab_size=256, num_layers=4, seed=int(text[5:]), dtype=dtype, device=device, name=text)
     if text in zoo.ZOO:
         lm = _from_pretrained(zoo.fetch(text), dtype, device)
         lm.name = text

@@ -1,0 +1,117 @@
+"""Online estimates of acceptance (α̂) and cost (ĉ) for the dynamic tree policy.
+
+Acceptance, per key (a drafter and a depth, or a drafter and a sibling rank), two estimates:
+
+* an exponential moving average of the judged outcomes (fast to adapt, biased early);
+* a Beta(a, b) posterior updated only with *judged* nodes. Censoring: a node below a rejected
+  node, or a sibling after the accepted one under recursive rejection, is never judged; it is
+  not counted as a failure (which would bias α̂ down). The posterior mean is the estimate the
+  policy uses; the EMA is logged next to it.
+
+Cost, in seconds, measured around the calls:
+
+* each drafter's time per expansion call (EMA);
+* the target's verification time as a function of the number of tree inputs n: a least-squares
+  line t(n) = a + b n over a sliding window of recent (n, t) pairs, optionally seeded by a
+  calibration pass that times forwards of a few sizes before decoding.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Acceptance:
+    prior: tuple[float, float] = (1.0, 1.0)
+    decay: float = 0.9
+    a: float = field(init=False)
+    b: float = field(init=False)
+    ema: float | None = field(default=None, init=False)
+    n: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.a, self.b = self.prior
+
+    def update(self, accepted: bool) -> None:
+        self.a += accepted
+        self.b += not accepted
+        self.n += 1
+        x = float(accepted)
+        self.ema = x if self.ema is None else self.decay * self.ema + (1 - self.decay) * x
+
+    @property
+    def mean(self) -> float:
+        return self.a / (self.a + self.b)
+
+
+class AcceptanceTable:
+    """α̂ per (drafter, key); unseen keys start from the prior (or from ``default`` per drafter)."""
+
+    def __init__(self, prior: tuple[float, float] = (1.0, 1.0), decay: float = 0.9) -> None:
+        self.prior, self.decay = prior, decay
+        self.table: dict[tuple[str, str], Acceptance] = {}
+
+    def get(self, drafter: str, key: str) -> Acceptance:
+        k = (drafter, key)
+        if k not in self.table:
+            self.table[k] = Acceptance(self.prior, self.decay)
+        return self.table[k]
+
+    def mean(self, drafter: str, key: str) -> float:
+        e = self.table.get((drafter, key))
+        return (self.prior[0] / sum(self.prior)) if e is None else e.mean
+
+    def seen(self, drafter: str, key: str) -> bool:
+        e = self.table.get((drafter, key))
+        return e is not None and e.n > 0
+
+    def update(self, drafter: str, key: str, accepted: bool) -> None:
+        self.get(drafter, key).update(accepted)
+
+    def snapshot(self) -> dict:
+        return {f"{d}|{k}": {"mean": round(e.mean, 4), "ema": None if e.ema is None else round(e.ema, 4), "n": e.n}
+                for (d, k), e in sorted(self.table.items()) if e.n}
+
+
+class VerifyCost:
+    """t(n) = a + b n fitted by least squares over the last ``window`` observations."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.obs: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def update(self, n: int, seconds: float) -> None:
+        self.obs.append((n, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        if not self.obs:
+            return None
+        ns = [n for n, _ in self.obs]
+        ts = [t for _, t in self.obs]
+        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        if var == 0:  # one size seen so far: a flat line through it
+            return mean_t, 0.0
+        b = sum((n - mean_n) * (t - mean_t) for n, t in self.obs) / var
+        b = max(b, 0.0)
+        return mean_t - b * mean_n, b
+
+    def predict(self, n: int) -> float | None:
+        ab = self.fit()
+        return None if ab is None else ab[0] + ab[1] * n
+
+
+class DrafterCost:
+    """EMA of each drafter's seconds per expansion call."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.seconds: dict[str, float] = {}
+
+    def update(self, drafter: str, seconds: float) -> None:
+        old = self.seconds.get(drafter)
+        self.seconds[drafter] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def get(self, drafter: str) -> float | None:
+        return self.seconds.get(drafter)

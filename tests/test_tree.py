@@ -1,0 +1,280 @@
+"""Token trees: tree-attention forward equals sequential paths (float64, 1e-9), cache compaction,
+greedy equality and statistical losslessness for static and dynamic trees (sampled,
+deterministic and mixed-drafter children), a wrong residual update that the test catches, the
+estimators, and the CUDA path (marked gpu)."""
+
+import random
+
+import pytest
+import torch
+
+import cascade.decode as decode_mod
+from cascade import generate
+from cascade.drafters import LayerSkipDrafter, NGramDrafter, SmallLMDrafter
+from cascade.estimators import AcceptanceTable, VerifyCost
+from cascade.models import perturbed_copy, tiny_llama
+from cascade.tree import (
+    ACCEPTED, REJECTED, UNJUDGED, TreeVerifyResult, children_of, compact_cache, depths_of, path_to, tree_mask,
+    tree_positions, verify_tree_greedy, verify_tree_sampled,
+)
+from cascade.tree_drafter import DynamicTreePolicy, StaticTreePolicy, TreeDrafter
+from cascade.types import SamplingConfig
+from stat_utils import LEVEL, lossless_pvalue
+
+
+def random_tree(rng: random.Random, n: int, vocab: int, root_siblings: int = 0) -> tuple[list[int], list[int]]:
+    parents = [-1] * root_siblings
+    for i in range(root_siblings, n):
+        parents.append(rng.randrange(-1, i))
+    return [rng.randrange(vocab) for _ in range(n)], parents
+
+
+def test_buffers_by_hand():
+    parents = [-1, -1, 0, 0, 2]  # root -> {0, 1}; 0 -> {2, 3}; 2 -> {4}
+    assert depths_of(parents) == [1, 1, 2, 2, 3]
+    assert children_of(parents) == [[0, 1], [2, 3], [], [4], [], []]
+    assert path_to(4, parents) == [0, 2, 4] and path_to(-1, parents) == []
+    assert tree_positions(parents, 10).tolist() == [10, 11, 11, 12, 12, 13]
+    allowed = (tree_mask(parents, 2)[0, 0] == 0).int().tolist()
+    assert allowed == [
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0, 1, 0],
+        [1, 1, 1, 1, 0, 1, 0, 1],
+    ]
+    with pytest.raises(ValueError, match="precede"):
+        depths_of([-1, 3, 0])
+
+
+@pytest.mark.parametrize("seed,root_siblings", [(0, 0), (1, 6), (2, 12), (3, 1)])
+def test_tree_forward_equals_sequential_paths(tiny_target, seed, root_siblings):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(32) for _ in range(7)]
+    tokens, parents = random_tree(rng, 20, 32, root_siblings)
+    cache = tiny_target.new_cache()
+    tiny_target.forward(prefix[:-1], cache)
+    past = len(prefix) - 1
+    logits = tiny_target.forward([prefix[-1]] + tokens, cache, position_ids=tree_positions(parents, past),
+                                 attention_mask=tree_mask(parents, past, tiny_target.dtype))  # [n + 1, V]
+    want_root = tiny_target.forward(prefix, tiny_target.new_cache())[-1]
+    assert torch.allclose(logits[0], want_root, atol=1e-9, rtol=0)
+    for i in range(len(tokens)):
+        seq = prefix + [tokens[j] for j in path_to(i, parents)]
+        want = tiny_target.forward(seq, tiny_target.new_cache())[-1]
+        assert torch.allclose(logits[i + 1], want, atol=1e-9, rtol=0), i
+
+
+def test_compaction_equals_a_cache_of_the_accepted_path(tiny_target):
+    rng = random.Random(4)
+    prefix = [rng.randrange(32) for _ in range(6)]
+    tokens, parents = random_tree(rng, 15, 32, 4)
+    accepted = path_to(14, parents)
+    cache = tiny_target.new_cache()
+    tiny_target.forward(prefix[:-1], cache)
+    past = len(prefix) - 1
+    tiny_target.forward([prefix[-1]] + tokens, cache, position_ids=tree_positions(parents, past),
+                        attention_mask=tree_mask(parents, past, tiny_target.dtype))
+    compact_cache(cache, past, [0] + [i + 1 for i in accepted])
+    seq = prefix + [tokens[i] for i in accepted]
+    fresh = tiny_target.new_cache()
+    tiny_target.forward(seq, fresh)
+    for a, b in zip(cache.layers, fresh.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-9, rtol=0) and torch.allclose(a.values, b.values, atol=1e-9, rtol=0)
+    # continuing: the same greedy tokens as from the fresh cache
+    cont_a, cont_b = [], []
+    for cache_, out in ((cache, cont_a), (fresh, cont_b)):
+        last = 7
+        for _ in range(6):
+            last = int(tiny_target.forward([last], cache_)[-1].argmax())
+            out.append(last)
+    assert cont_a == cont_b
+
+
+def test_greedy_tree_verification_unit():
+    tokens, parents = [5, 6, 7, 8], [-1, -1, 1, 1]  # root -> {5, 6}; 6 -> {7, 8}
+    argmax = torch.tensor([6, 0, 8, 0, 3])  # root wants 6, node 1 (token 6) wants 8, node 3 (token 8) wants 3
+    r = verify_tree_greedy(tokens, parents, argmax)
+    assert (r.path, r.num_accepted, r.next_token, r.all_accepted) == ([1, 3], 2, 3, True)
+    assert r.judgements == [REJECTED, ACCEPTED, REJECTED, ACCEPTED]
+    r = verify_tree_greedy(tokens, parents, torch.tensor([9, 0, 0, 0, 0]))
+    assert (r.path, r.next_token, r.all_accepted, r.judgements) == ([], 9, False, [REJECTED, REJECTED, UNJUDGED, UNJUDGED])
+
+
+def test_sampled_tree_verification_single_step_distribution():
+    """Exact check of recursive rejection at one node with mixed children (one sampled from q1,
+    one deterministic, one sampled from q2): the output law, estimated over many runs, matches p."""
+    V = 5
+    p = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05], dtype=torch.float64)
+    q1 = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2], dtype=torch.float64)
+    q2 = torch.tensor([0.05, 0.05, 0.6, 0.2, 0.1], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V)
+    n = 15000
+    for _ in range(n):
+        x1 = int(torch.multinomial(q1, 1, generator=gen))
+        x3 = int(torch.multinomial(q2, 1, generator=gen))
+        r = verify_tree_sampled([x1, 3, x3], [-1, -1, -1], [q1, None, q2], torch.stack([p, p, p, p]), gen)
+        token = r.next_token if r.num_accepted == 0 else [x1, 3, x3][r.path[0]]
+        counts[token] += 1
+    tv = 0.5 * (counts / n - p.float()).abs().sum()
+    assert tv < 0.025  # the sampling error of 15k draws is about 0.008
+
+
+# ---- whole-loop tests ---------------------------------------------------------------------------
+
+def _trees(target, close):
+    return {
+        "static_chain": lambda: TreeDrafter([SmallLMDrafter(close)], StaticTreePolicy((1, 1, 1, 1))),
+        "static_wide": lambda: TreeDrafter([SmallLMDrafter(close)], StaticTreePolicy((4, 2, 1))),
+        "dynamic_lm": lambda: TreeDrafter([SmallLMDrafter(close)], DynamicTreePolicy(t_min=0.3, max_nodes=10)),
+        "dynamic_mixed": lambda: TreeDrafter(
+            [SmallLMDrafter(close), NGramDrafter(k=3), LayerSkipDrafter(1)], DynamicTreePolicy(t_min=0.2, max_nodes=16), calibrate=True
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_trees(None, None)))
+def test_tree_greedy_equals_autoregressive(name, tiny_target, tiny_close_drafter):
+    drafter = _trees(tiny_target, tiny_close_drafter)[name]()
+    rng = random.Random(8)
+    accepted = 0
+    for _ in range(5):
+        motif = [rng.randrange(32) for _ in range(rng.randint(1, 3))]
+        prompt = (motif * 4)[: rng.randint(1, 10)]
+        for max_new in (1, 3, 21):
+            ar = generate(tiny_target, prompt, max_new_tokens=max_new, stop_on_eos=False)
+            sp = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=max_new, stop_on_eos=False)
+            assert sp.tokens == ar.tokens, (name, prompt, max_new)
+            accepted += sum(s.accepted for s in sp.steps)
+    assert accepted > 0
+    assert any(s.info.get("nodes", 0) > s.info.get("depth", 0) for s in sp.steps) or name == "static_chain"
+
+
+def test_dynamic_policy_logs_estimates_and_learns(tiny_target, tiny_close_drafter, tiny_far_drafter):
+    drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter), SmallLMDrafter(tiny_far_drafter, name="far")],
+                          DynamicTreePolicy(t_min=0.3, max_nodes=12), calibrate=True)
+    for seed in range(3):
+        out = generate(tiny_target, [1, 2, 3, seed], drafter=drafter, max_new_tokens=30, stop_on_eos=False)
+    logged = [s.info for s in out.steps if "estimates" in s.info]  # the last step has no budget to draft
+    assert len(logged) >= len(out.steps) - 1
+    est = logged[-1]["estimates"]
+    assert est["verify_fit_s"] is not None and est["drafter_cost_s"]
+    close = drafter.alpha.mean(drafter.names[0], "depth1")
+    far = drafter.alpha.mean(drafter.names[1], "depth1")
+    assert close > far
+    # the policy spends its nodes on the better drafter
+    per = [d for info in logged for d in info["node_drafters"]]
+    assert per.count(drafter.names[0]) >= per.count(drafter.names[1])
+
+
+def test_censoring_unjudged_nodes_are_not_failures():
+    table = AcceptanceTable()
+    drafter = TreeDrafter([NGramDrafter(k=2)], DynamicTreePolicy())
+    drafter.alpha = table
+    from cascade.tree_drafter import _Node
+
+    drafter._last = [_Node(1, -1, 1, 0, 1, None, 1.0), _Node(2, 0, 2, 0, 1, None, 1.0), _Node(3, 1, 3, 0, 1, None, 1.0)]
+    drafter.observe([0], TreeVerifyResult(0, 9, False, [], [REJECTED, UNJUDGED, UNJUDGED]))
+    assert table.get(drafter.names[0], "depth1").n == 1
+    assert not table.seen(drafter.names[0], "depth2") and not table.seen(drafter.names[0], "depth3")
+
+
+def test_verify_cost_fit():
+    vc = VerifyCost()
+    for n in (1, 4, 8, 16, 32):
+        vc.update(n, 0.1 + 0.01 * n)
+    a, b = vc.fit()
+    assert abs(a - 0.1) < 1e-9 and abs(b - 0.01) < 1e-9
+    assert abs(vc.predict(10) - 0.2) < 1e-9
+
+
+def test_bad_policies():
+    with pytest.raises(ValueError):
+        StaticTreePolicy((2, 0))
+    with pytest.raises(ValueError):
+        DynamicTreePolicy(max_nodes=0)
+    with pytest.raises(TypeError, match="LM drafter"):
+        TreeDrafter([NGramDrafter()], StaticTreePolicy((2,)))
+    with pytest.raises(ValueError, match="at least one"):
+        TreeDrafter([])
+
+
+# ---- sampling losslessness ----------------------------------------------------------------------
+
+V = 6
+N = 1000
+PROMPT = [1, 4, 1]
+SETTING = SamplingConfig(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def small_models():
+    return tiny_llama(vocab_size=V, seed=11, init_range=0.4), tiny_llama(vocab_size=V, seed=12, init_range=0.4)
+
+
+def _sampled_trees(target, drafter_lm):
+    return {
+        "sampled_children": lambda: TreeDrafter([SmallLMDrafter(drafter_lm)], StaticTreePolicy((3, 2))),
+        "deterministic_children": lambda: TreeDrafter([SmallLMDrafter(drafter_lm, sample=False)], StaticTreePolicy((3, 2))),
+        "mixed_drafters": lambda: TreeDrafter(
+            [SmallLMDrafter(drafter_lm), NGramDrafter(k=2), LayerSkipDrafter(1, sample=False)],
+            DynamicTreePolicy(t_min=0.05, max_nodes=8),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_sampled_trees(None, None)))
+def test_tree_sampling_is_lossless(name, small_models):
+    target, drafter_lm = small_models
+    assert lossless_pvalue(target, _sampled_trees(target, drafter_lm)[name](), SETTING, PROMPT, N) > LEVEL
+
+
+def _no_residual_update(tokens, parents, q, p, generator):
+    """Wrong: after a rejected child, the next child is tried against p itself, not the residual."""
+    kids = children_of(parents)
+    path, j = [], 0
+    judgements = [UNJUDGED] * len(tokens)
+    while True:
+        nxt = None
+        for c in kids[j]:
+            qx = 1.0 if q[c] is None else float(q[c][tokens[c]])
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) * qx < float(p[j][tokens[c]]):
+                nxt = c
+                break
+        if nxt is None:
+            return TreeVerifyResult(len(path), int(torch.multinomial(p[j], 1, generator=generator)), not kids[j], path, judgements)
+        path.append(nxt)
+        j = nxt + 1
+
+
+def test_wrong_residual_update_fails(small_models, monkeypatch):
+    target, drafter_lm = small_models
+    monkeypatch.setattr(decode_mod, "verify_tree_sampled", _no_residual_update)
+    drafter = TreeDrafter([SmallLMDrafter(drafter_lm)], StaticTreePolicy((3, 2)))
+    assert lossless_pvalue(target, drafter, SETTING, PROMPT, N) < LEVEL
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_tree_verifier_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    target = tiny_llama(vocab_size=32, seed=0, dtype="float32", device="cuda")
+    close = perturbed_copy(target, 0.05, seed=1)
+    rng = random.Random(0)
+    prefix = [rng.randrange(32) for _ in range(7)]
+    tokens, parents = random_tree(rng, 24, 32, 6)
+    cache = target.new_cache()
+    target.forward(prefix[:-1], cache)
+    logits = target.forward([prefix[-1]] + tokens, cache, position_ids=tree_positions(parents, 6),
+                            attention_mask=tree_mask(parents, 6, target.dtype).cuda())
+    for i in range(len(tokens)):
+        seq = prefix + [tokens[j] for j in path_to(i, parents)]
+        assert torch.allclose(logits[i + 1], target.forward(seq, target.new_cache())[-1], atol=1e-4, rtol=1e-4)
+    drafter = TreeDrafter([SmallLMDrafter(close)], DynamicTreePolicy(t_min=0.3, max_nodes=16))
+    ar = generate(target, prefix, max_new_tokens=24, stop_on_eos=False)
+    sp = generate(target, prefix, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
+    assert sp.tokens == ar.tokens
