@@ -182,6 +182,7 @@ def generate(
             compact_cache(cache, past, [0] + [i + 1 for i in result.path])
             accepted = [draft[i] for i in result.path]
             result.verify_time_s = t2 - t1
+            block.info = {**block.info, "accepted_path": result.path}
         emitted, hit_eos = _cut(accepted + [result.next_token], eos, max_new_tokens - len(new))
         seq += emitted
         new += emitted

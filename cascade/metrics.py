@@ -17,6 +17,9 @@ Definitions (summed over all steps of all generations in a run, never averaged p
 ``speedup``
     ``tokens_per_s`` of a method / ``tokens_per_s`` of its autoregressive baseline run in the
     same process on the same prompts (:func:`speedup`).
+``tree_expected_tau``
+    for token trees: 1 + the tree policy's own expected accepted tokens per step (the sum of its
+    estimated path acceptance over the nodes), averaged over steps; the prediction it makes.
 ``levels``
     for cascades, per inner level: ``alpha`` (accepted by the level above it / drafted) and
     ``c`` (its time per drafted token / target time per verification forward). The top level of
@@ -55,7 +58,10 @@ def summarize(generations: list["Generation"]) -> dict:
             draft_time[s.drafter] += s.draft_time_s
     total_drafted = sum(drafted.values())
     levels = _level_stats(steps, per_forward)
+    tree_steps = [s for s in steps if "expected_accepted" in s.info]
     return {
+        "tree_expected_tau": 1 + sum(s.info["expected_accepted"] for s in tree_steps) / len(tree_steps) if tree_steps else None,
+        "tree_nodes_per_step": sum(s.drafted for s in tree_steps) / len(tree_steps) if tree_steps else None,
         "alpha_by_depth": alpha_by_depth(steps),
         "num_generations": len(generations),
         "new_tokens": new_tokens,
@@ -79,14 +85,26 @@ def summarize(generations: list["Generation"]) -> dict:
 def alpha_by_depth(steps) -> list[float]:
     """Conditional acceptance rate at each draft depth: accepted at depth i / steps that reached
     depth i (drafted more than i tokens and accepted the first i). With these rates
-    ``theory.expected_tokens_per_position`` needs no independence assumption."""
+    ``theory.expected_tokens_per_position`` needs no independence assumption.
+
+    For a token tree, depth i is reached when the accepted path has i tokens and its last node
+    (or the root) has children: the tree's acceptance at that depth, over all its branches."""
     reached: dict[int, int] = defaultdict(int)
     kept: dict[int, int] = defaultdict(int)
     for s in steps:
-        for i in range(min(s.drafted, s.accepted + 1)):
-            reached[i] += 1
-            kept[i] += i < s.accepted
-    return [kept[i] / reached[i] for i in range(len(reached))]
+        parents = s.info.get("parents")
+        if not parents or "accepted_path" not in s.info:
+            for i in range(min(s.drafted, s.accepted + 1)):
+                reached[i] += 1
+                kept[i] += i < s.accepted
+            continue
+        has_children = set(parents)
+        path = [-1] + s.info["accepted_path"]
+        for i in range(s.accepted + 1):
+            if path[i] in has_children:
+                reached[i] += 1
+                kept[i] += i < s.accepted
+    return [kept[i] / reached[i] for i in sorted(reached)]
 
 
 def _level_stats(steps, per_forward: float) -> dict:
@@ -133,6 +151,13 @@ def prediction(method: dict, baseline: dict) -> dict:
     ``predicted_speedup_per_depth`` replaces that single α by the per-depth conditional rates.
     """
     measured = speedup(method, baseline)
+    if method.get("tree_expected_tau") is not None:  # token trees: the policy's own expectation
+        ar_step = baseline["target_time_per_forward_s"]
+        round_cost = (method["target_time_per_forward_s"] + method["draft_time_per_token_s"] * method["drafted_per_step"]) / ar_step
+        pred = method["tree_expected_tau"] / round_cost
+        return {"predicted_speedup": pred, "predicted_speedup_verify_cost": pred, "predicted_speedup_per_depth": pred,
+                "measured_over_predicted": measured / pred, "predicted_tau_iid": None,
+                "predicted_tau_per_depth": method["tree_expected_tau"]}
     if method["alpha"] is None or not method["drafted_per_step"]:
         return {"predicted_speedup": None, "predicted_speedup_verify_cost": None, "predicted_speedup_per_depth": None,
                 "measured_over_predicted": None, "predicted_tau_iid": None}

@@ -245,6 +245,7 @@ class TreeDrafter(Drafter):
             "node_drafters": [self.names[n.drafter] for n in nodes],
             "nodes": len(nodes),
             "depth": max((n.depth for n in nodes), default=0),
+            "expected_accepted": round(sum(n.reach for n in nodes), 4),
             "estimates": {
                 "alpha": self.alpha.snapshot(),
                 "drafter_cost_s": {k: round(v, 6) for k, v in self.dcost.seconds.items()},

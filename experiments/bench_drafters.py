@@ -8,6 +8,7 @@ prompts, greedy, every method interleaved per prompt after a warm-up, in one pro
     quantized_self     an int8 (dynamic) copy of the 1.5B target itself
     layer_skip         the target's first --exit layers, sharing its weights and cache
     layer_skip_ts      the same with Thompson-sampling stop control
+    layer_skip_deep    the target's first --late-exit layers
     kangaroo           the exit + the trained adapter (--adapter; skipped if the file is missing)
     double_early_exit  the --exit layers drafting for the --deep-exit layers of the target
 
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--exit", type=int, default=6, help="shallow exit layer (28 layers in the 1.5B)")
     ap.add_argument("--deep-exit", type=int, default=14)
+    ap.add_argument("--late-exit", type=int, default=20, help="exit of layer_skip_deep")
     ap.add_argument("--adapter", default=str(Path.home() / ".cache/cascade/adapters/qwen2.5-coder-1.5b-exit6.pt"))
     ap.add_argument("--methods", default="", help="comma-separated subset of the methods")
     ap.add_argument("--threads", type=int, default=2)
@@ -50,6 +52,7 @@ def main() -> None:
         "quantized_self": lambda: QuantizedLMDrafter(args.target, "auto", k=6),
         "layer_skip": lambda: LayerSkipDrafter(args.exit, k=4),
         "layer_skip_ts": lambda: LayerSkipDrafter(args.exit, k=6, stop=ThompsonStop(0.5)),
+        "layer_skip_deep": lambda: LayerSkipDrafter(args.late_exit, k=4),
         "kangaroo": lambda: LayerSkipDrafter(args.exit, k=6, adapter=args.adapter, stop=ConfidenceStop(0.6)),
         "double_early_exit": lambda: VerticalCascade([LayerSkipDrafter(args.deep_exit, k=6), LayerSkipDrafter(args.exit, k=3)]),
     }
