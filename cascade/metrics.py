@@ -111,23 +111,25 @@ def _level_stats(steps, per_forward: float) -> dict:
     """Aggregate the per-level records cascades put in ``StepRecord.info``."""
     acc: dict[str, dict] = {}
 
-    def add(name, drafted, accepted, time_s):
-        a = acc.setdefault(name, {"drafted": 0, "accepted": 0, "time_s": 0.0})
+    def add(name, drafted, accepted, time_s, rounds=0):
+        a = acc.setdefault(name, {"drafted": 0, "accepted": 0, "time_s": 0.0, "rounds": 0})
         a["drafted"] += drafted
         a["accepted"] += accepted
         a["time_s"] += time_s
+        a["rounds"] += rounds
 
     for s in steps:
         if "top" in s.info:  # vertical cascade: its top level is judged by the target
             add(s.info["top"], s.drafted, s.accepted, s.info["top_time_s"])
         for name, lv in s.info.get("levels", {}).items():
-            add(name, lv["drafted"], lv["accepted"], lv["time_s"])
+            add(name, lv["drafted"], lv["accepted"], lv["time_s"], lv.get("rounds", 0))
         for seg in s.info.get("segments", []):  # horizontal cascade: the target judges each span
             kept = min(max(s.accepted - seg["start"], 0), seg["len"])
             add(seg["drafter"], seg["len"], kept, seg["time_s"])
     return {
         name: {
             "drafted": a["drafted"],
+            "rounds": a["rounds"],  # inner rounds in which this level drafted (vertical cascades)
             "alpha": a["accepted"] / a["drafted"] if a["drafted"] else None,
             "c": (a["time_s"] / a["drafted"]) / per_forward if a["drafted"] else None,
         }

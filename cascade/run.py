@@ -154,6 +154,8 @@ def run(cfg: DictConfig) -> dict:
             "overhead_frac": s["overhead_frac"],
             "detail": s,
             "tokens": {p.id: gen.tokens for p, gen in zip(prompt_set, g)},
+            # per prompt, for the spread of speedups across prompts (analysis figures)
+            "tokens_per_s_by_prompt": {p.id: len(gen.tokens) / gen.wall_time_s for p, gen in zip(prompt_set, g)},
         }
     summary = {
         "experiment": cfg.experiment_name,

@@ -1,0 +1,127 @@
+"""`python -m analysis.plot_ewif SWEEP_OR_RUN_DIR --out FIG_DIR`: EWIF curves from a sweep.
+
+For chain methods (one drafter, ``method.drafter.k`` = γ swept or fixed): the theoretical
+speedup vs γ for the α and c measured in the sweep (pooled over its jobs), a family of curves
+around them, the curve that also charges the measured verification cost (a forward over γ + 1
+tokens costs more than one autoregressive step on CPU), the measured points with their range
+across prompts, and the optimal γ. For two-level vertical cascades: the EWIF map over the two
+budgets from the measured α, β, c1, c2, with the measured point(s). Also writes the α-by-depth,
+τ-histogram and speedup-bar figures of the same jobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from analysis import figures
+from analysis.gather import GatherError, load_jobs
+
+
+def _method(job) -> str:
+    names = [m for m in job.summary["methods"] if m != job.summary["baseline"]]
+    if not names:
+        raise GatherError(f"{job.dir}: only the baseline was run")
+    return names[0]
+
+
+def _spread(job, name: str) -> tuple[float, float]:
+    base = job.summary["methods"][job.summary["baseline"]].get("tokens_per_s_by_prompt") or {}
+    mine = job.summary["methods"][name].get("tokens_per_s_by_prompt") or {}
+    ratios = [mine[p] / base[p] for p in mine if p in base and base[p] > 0]
+    s = job.summary["methods"][name]["speedup"]
+    return (min(ratios), max(ratios)) if ratios else (s, s)
+
+
+def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
+    """Measured points, pooled α and c, the verification-cost function and a title."""
+    points, acc, drafted, cs, vc = [], 0.0, 0.0, [], []
+    for job in jobs:
+        name = _method(job)
+        m = job.summary["methods"][name]
+        d = m["detail"]
+        base = job.summary["methods"][job.summary["baseline"]]["detail"]
+        k = job.summary["config"]["method"]["drafter"].get("k")
+        if k is None or d.get("alpha") is None:
+            continue
+        lo, hi = _spread(job, name)
+        points.append({"gamma": int(k), "speedup": m["speedup"], "lo": lo, "hi": hi})
+        n = d["drafted_per_step"] * d["target_forwards"]
+        acc += d["alpha"] * n
+        drafted += n
+        cs.append(d["draft_time_per_token_s"] / base["target_time_per_forward_s"])
+        vc.append((d["drafted_per_step"], d["target_time_per_forward_s"] / base["target_time_per_forward_s"]))
+    if not points:
+        raise GatherError("no chain-method job with a draft length (method.drafter.k) and drafted tokens found")
+    alpha, c = acc / drafted, float(np.median(cs))
+    if len({x for x, _ in vc}) >= 2:
+        slope, icpt = np.polyfit([x for x, _ in vc], [y for _, y in vc], 1)
+    else:
+        slope, icpt = (vc[0][1] - 1.0) / max(vc[0][0], 1e-9), 1.0
+    verify = lambda g: max(icpt + slope * g, 1e-3)  # noqa: E731
+    cfg = jobs[0].summary["config"]
+    title = (f"{cfg['models']['target']} ← {_method(jobs[0])} ({cfg['models'].get('small')}), "
+             f"{cfg['dataset']['name']} ×{cfg['dataset'].get('num_prompts')}, {'greedy' if cfg['sampling']['temperature'] == 0 else 'sampled'}")
+    return points, alpha, c, verify, title
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="a run directory or a multirun sweep directory")
+    ap.add_argument("--out", required=True, help="figure directory (PNG and PDF)")
+    args = ap.parse_args(argv)
+    jobs, incomplete = load_jobs(args.results)
+    for d in incomplete:
+        print(f"skipped incomplete job: {d}", file=sys.stderr)
+    if not jobs:
+        print(f"no complete job under {args.results}", file=sys.stderr)
+        return 1
+    written = []
+    cascades = [j for j in jobs if j.summary["config"]["method"]["drafter"].get("levels")]
+    chains = [j for j in jobs if j not in cascades]
+    if chains:
+        points, alpha, c, verify, title = chain_points(chains)
+        _, paths = figures.ewif_curves(points, alpha, c, title, args.out, verify=verify)
+        written += paths
+        print(f"chain: pooled alpha {alpha:.3f}, c {c:.3f}; measured points " +
+              ", ".join(f"γ={p['gamma']}: {p['speedup']:.2f}x" for p in sorted(points, key=lambda p: p["gamma"])))
+    for job in cascades[:1]:
+        name = _method(job)
+        m = job.summary["methods"][name]
+        levels = m["levels"]
+        base = job.summary["methods"][job.summary["baseline"]]["detail"]
+        top, lower = list(levels)[:2]
+        lv_top, lv_low = levels[top], levels[lower]
+        cfg = job.summary["config"]
+        title = f"{cfg['models']['target']} ← {top} ← {lower}, {cfg['dataset']['name']}"
+        k = cfg["method"]["drafter"]["levels"][1].get("k", 4)
+        rounds = lv_low.get("rounds")
+        pts = []
+        if rounds:
+            pts.append({"n": rounds / m["detail"]["target_forwards"], "k": k, "speedup": m["speedup"]})
+        _, paths = figures.ewif_two_level_map(lv_top["alpha"], lv_low["alpha"], lv_top["c"], lv_low["c"], title, args.out, points=pts)
+        written += paths
+    # the companion figures of the same jobs
+    series, taus, speeds = {}, {}, {}
+    for job in jobs:
+        name = _method(job)
+        label = f"{name} " + " ".join(f"{k}={v}" for k, v in job.params.items()) if job.params else name
+        m = job.summary["methods"][name]
+        if m["detail"].get("alpha_by_depth"):
+            series[label] = m["detail"]["alpha_by_depth"]
+        speeds[label] = m["speedup"]
+        taus[label] = [s["emitted"] for s in job.steps() if s["method"] == name]
+    if series:
+        written += figures.alpha_by_depth(series, "acceptance by depth", args.out)[1]
+    written += figures.tau_histogram(taus, "tokens per target forward", args.out)[1]
+    written += figures.speedup_bars(speeds, "speedup over autoregressive (same run)", args.out)[1]
+    for p in written:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""analysis/: gathering result trees (with a malformed file and a missing job), every figure
+writes a non-empty image with the expected axes, and the trace-replay simulator is exact where
+the record allows (replaying a recorded greedy chain at shorter draft lengths reproduces real
+runs of those lengths token for token)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+import cascade.run as run_mod
+from analysis import figures
+from analysis.gather import GatherError, load_jobs, table
+from analysis.plot_ewif import main as plot_ewif_main
+from analysis.simulate import replay, trace_from_job
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _run(out: Path, *overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    run_mod.run(cfg)
+    (out / ".hydra").mkdir(exist_ok=True)
+    (out / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([o for o in overrides if not o.startswith(("output_dir", "progress"))]))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A fake multirun: quantized-self chains with k = 1, 2, 3 on the tiny debug models."""
+    root = tmp_path_factory.mktemp("sweep")
+    for i, k in enumerate((1, 2, 3)):
+        job = root / f"{i}_k{k}"
+        _run(job, "+experiment=quantized_self", "debug=tiny", f"method.drafter.k={k}", "dataset.max_new_tokens=24",
+             "dataset.num_prompts=3", f"output_dir={job}", "progress=false", "warmup=false")
+    return root
+
+
+def test_table_has_swept_parameters_and_reports_missing_jobs(sweep, tmp_path):
+    root = tmp_path / "sweep"
+    shutil.copytree(sweep, root)
+    (root / "3_k4" / ".hydra").mkdir(parents=True)  # a job that never finished
+    df, incomplete = table(root)
+    assert len(df) == 6 and set(df["method"]) == {"ar", "quantized_self"}
+    assert sorted(df[df.method == "quantized_self"]["method.drafter.k"].astype(int)) == [1, 2, 3]
+    assert (df[df.method == "ar"]["speedup"] == 1.0).all()
+    assert incomplete == [root / "3_k4"]
+
+
+def test_malformed_files_are_named(sweep, tmp_path):
+    root = tmp_path / "sweep"
+    shutil.copytree(sweep, root)
+    bad = root / "1_k2" / "summary.json"
+    bad.write_text("{not json")
+    with pytest.raises(GatherError, match=r"1_k2/summary.json: not valid JSON"):
+        table(root)
+    bad.write_text(json.dumps({"methods": {}}))
+    with pytest.raises(GatherError, match="no 'config'"):
+        table(root)
+    shutil.copytree(sweep / "1_k2", root / "1_k2", dirs_exist_ok=True)
+    steps = root / "0_k1" / "steps.jsonl"
+    lines = steps.read_text().splitlines()
+    steps.write_text("\n".join(lines[:2] + ["{oops"] + lines[2:]))
+    job = next(j for j in load_jobs(root)[0] if j.dir.name == "0_k1")
+    with pytest.raises(GatherError, match=r"steps.jsonl:3"):
+        job.steps()
+
+
+def _check_image(paths):
+    assert {p.suffix for p in paths} == {".png", ".pdf"}
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_each_figure_writes_an_image_with_its_axes(tmp_path):
+    fig, paths = figures.ewif_curves([{"gamma": 2, "speedup": 1.3, "lo": 1.2, "hi": 1.4}], 0.7, 0.2, "t", tmp_path,
+                                     verify=lambda g: 1 + 0.1 * g)
+    _check_image(paths)
+    ax = fig.axes[0]
+    assert "draft length" in ax.get_xlabel() and "speedup" in ax.get_ylabel()
+    assert any("optimal" in t.get_text() for t in ax.get_legend().get_texts())
+    fig, paths = figures.ewif_two_level_map(0.7, 0.5, 0.3, 0.01, "t", tmp_path, points=[{"n": 2, "k": 3, "speedup": 1.1}])
+    _check_image(paths)
+    assert "rounds" in fig.axes[0].get_xlabel() and "tokens" in fig.axes[0].get_ylabel()
+    fig, paths = figures.alpha_by_depth({"a": [0.8, 0.7], "b": [0.5]}, "t", tmp_path)
+    _check_image(paths)
+    assert "depth" in fig.axes[0].get_xlabel() and len(fig.axes[0].lines) == 2
+    fig, paths = figures.tau_histogram({"a": [1, 2, 3, 3], "b": [1, 1, 2]}, "t", tmp_path)
+    _check_image(paths)
+    assert "τ" in fig.axes[0].get_xlabel()
+    fig, paths = figures.speedup_bars({"ar": 1.0, "sps": 1.3, "tree": 1.6}, "t", tmp_path)
+    _check_image(paths)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["autoregressive", "sps", "tree"]
+    steps = [{"nodes": n, "accepted": 1, "estimates": {"alpha": {"0:lm|depth1": {"mean": 0.5 + 0.01 * n}},
+                                                      "drafter_cost_s": {"0:lm": 0.01}, "verify_fit_s": [0.1, 0.01]}}
+             for n in (3, 5, 8)]
+    fig, paths = figures.tree_trajectories(steps, "t", tmp_path)
+    _check_image(paths)
+    assert [a.get_ylabel().split(" ")[0] for a in fig.axes] == ["α̂", "ĉ", "nodes"]
+
+
+def test_plot_ewif_on_a_sweep(sweep, tmp_path, capsys):
+    assert plot_ewif_main([str(sweep), "--out", str(tmp_path / "figs")]) == 0
+    names = {p.name for p in (tmp_path / "figs").iterdir()}
+    assert {"ewif.png", "ewif.pdf", "alpha_by_depth.png", "tau_hist.png", "speedup.png"} <= names
+    assert "pooled alpha" in capsys.readouterr().out
+
+
+def test_replay_is_exact_where_the_record_allows(sweep):
+    jobs = {j.dir.name: j for j in load_jobs(sweep)[0]}
+    trace = trace_from_job(jobs["2_k3"])
+    assert trace.exact_drafter
+    # the recorded draft length: every round is read from the record, tau is reproduced exactly
+    pred = replay(trace, 3, samples=3)
+    assert pred["exact_share"] == 1.0
+    assert pred["tau"] == pytest.approx(jobs["2_k3"].summary["methods"]["quantized_self"]["tau"], abs=1e-12)
+    # shorter drafts: most rounds exact (the rest drawn from the record), tau close to real runs
+    for name, gamma in (("1_k2", 2), ("0_k1", 1)):
+        real = jobs[name].summary["methods"]["quantized_self"]
+        pred = replay(trace, gamma, samples=20)
+        assert pred["exact_share"] > 0.6, name
+        assert abs(pred["tau"] - real["tau"]) / real["tau"] < 0.1, (name, pred["tau"], real["tau"])
+
+
+def test_replay_refuses_what_it_cannot_replay(tmp_path):
+    job = tmp_path / "csd"
+    _run(job, "+experiment=csd_two_level", "debug=tiny", f"output_dir={job}", "progress=false", "warmup=false")
+    with pytest.raises(GatherError, match="single-drafter chain"):
+        trace_from_job(load_jobs(job)[0][0])
