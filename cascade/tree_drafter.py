@@ -102,6 +102,7 @@ class TreeDrafter(Drafter):
         self.dcost = DrafterCost()
         self.vcost = VerifyCost()
         self._calibrated = False
+        self._fresh: set[int] = set()
 
     # ---- protocol ---------------------------------------------------------------------------
     def check_compatible(self, target: CausalLM) -> None:
@@ -118,6 +119,10 @@ class TreeDrafter(Drafter):
         super().reset(sampling, generator)
         for d in self.drafters:
             d.reset(sampling, generator)
+        # A drafter's first call in a generation includes its catch-up over the prompt (an LM
+        # drafter's prefill): not a per-expansion cost, and a stale high estimate would keep the
+        # policy from ever calling that drafter again (measured: the 0.5B was never used). Skip it.
+        self._fresh = set(range(len(self.drafters)))
         if self.calibrate and not self._calibrated:
             self._calibrate()
 
@@ -173,7 +178,10 @@ class TreeDrafter(Drafter):
             block = d.propose(context, 1)
             entry = {"token": int(block.tokens[0]) if block.k else None,
                      "q": None if block.q is None or not block.k else block.q[0]}
-        self.dcost.update(self.names[i], time.perf_counter() - t0)
+        if i in self._fresh:
+            self._fresh.discard(i)
+        else:
+            self.dcost.update(self.names[i], time.perf_counter() - t0)
         return entry
 
     def _child(self, entry: dict, i: int, rank: int, taken: set[int]) -> tuple[int | None, torch.Tensor | None, int]:

@@ -214,7 +214,7 @@ def test_thompson_is_reproducible_from_the_seed(target):
 # ---- sampling losslessness ----------------------------------------------------------------------
 
 V = 6
-N = 1000
+N = 600  # generations per lossless test (the broken doubles still fail by far)
 PROMPT = [1, 4, 1]
 SETTING = SamplingConfig(temperature=1.0)
 

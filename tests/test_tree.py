@@ -204,7 +204,7 @@ def test_bad_policies():
 # ---- sampling losslessness ----------------------------------------------------------------------
 
 V = 6
-N = 1000
+N = 600  # generations per lossless test (the broken doubles still fail by far)
 PROMPT = [1, 4, 1]
 SETTING = SamplingConfig(temperature=1.0)
 
