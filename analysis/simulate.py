@@ -18,7 +18,9 @@ expectation elsewhere. For other drafters (n-gram, stop policies) every M is dra
 
 Time: a round of length γ costs verify(γ) + γ t_draft, with verify linear between the
 autoregressive step (1 token) and the recorded verification forwards (k + 1 tokens), and
-t_draft the recorded drafter time per drafted token. Prefill times are the recorded ones.
+t_draft the recorded drafter time per drafted token outside each prompt's first round. The
+first round's drafter time (an LM drafter's prefill of the prompt) and the target's prefill
+are per-prompt costs, taken as recorded.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ChainTrace:
     k: int  # recorded draft length
     exact_drafter: bool
     t_draft_token: float
+    first_round_s: float  # drafter time of each prompt's first round (its prefill), summed
     t_verify_k: float  # recorded verification forward (k + 1 tokens)
     t_ar_step: float  # autoregressive step (1 token)
     prefill_s: float
@@ -60,11 +63,18 @@ def trace_from_job(job, exact_drafter: bool | None = None) -> ChainTrace:
     known: dict[str, dict[int, tuple[int, bool]]] = {}
     outputs: dict[str, int] = {}
     pos: dict[str, int] = {}
+    first_s = rest_s = 0.0
+    rest_n = 0
     for st in job.steps():
         if st["method"] != name:
             continue
         p = st["prompt"]
         s = pos.get(p, 0)
+        if p not in pos:
+            first_s += st["draft_time_s"]
+        else:
+            rest_s += st["draft_time_s"]
+            rest_n += st["drafted"]
         a, d = st["accepted"], st["drafted"]
         kn = known.setdefault(p, {})
         if d:
@@ -77,7 +87,8 @@ def trace_from_job(job, exact_drafter: bool | None = None) -> ChainTrace:
         outputs[p] = pos[p]
     m = job.summary["methods"][name]["detail"]
     base = job.summary["methods"][job.summary["baseline"]]["detail"]
-    return ChainTrace(outputs, known, k, exact_drafter, m["draft_time_per_token_s"], m["target_time_per_forward_s"],
+    t_tok = rest_s / rest_n if rest_n else m["draft_time_per_token_s"]
+    return ChainTrace(outputs, known, k, exact_drafter, t_tok, first_s, m["target_time_per_forward_s"],
                       base["target_time_per_forward_s"], m["prefill_time_s"], base["tokens_per_s"])
 
 
@@ -126,7 +137,7 @@ def replay(trace: ChainTrace, gamma: int, samples: int = 50, seed: int = 0) -> d
                 steps += 1
             tokens += length
         taus.append(tokens / steps)
-        tps.append(tokens / (trace.prefill_s + steps * step_cost))
+        tps.append(tokens / (trace.prefill_s + trace.first_round_s + steps * step_cost))
         exact_share.append(exact / steps)
     tau, rate = float(np.mean(taus)), float(np.mean(tps))
     return {"gamma": gamma, "tau": tau, "tokens_per_s": rate, "speedup": rate / trace.ar_tokens_per_s,
