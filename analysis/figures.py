@@ -41,19 +41,20 @@ def _chain_speedup(alpha: float, gamma: int, c: float, verify=None) -> float:
 
 
 def ewif_curves(points: list[dict], alpha: float, c: float, title: str, out_dir, verify=None,
-                max_gamma: int = 10, name: str = "ewif"):
+                max_gamma: int = 10, name: str = "ewif", alpha_by_depth: list[float] | None = None):
     """points: [{"gamma", "speedup", "lo", "hi"}] measured (lo/hi: spread across prompts).
     verify: optional γ -> verification forward cost / one AR step (measured growth); the seed
-    formula assumes 1."""
+    formula assumes 1. alpha_by_depth: measured conditional acceptance per depth: adds the curve
+    without the independence assumption (τ from ``theory.expected_tokens_per_position``)."""
     gammas = np.arange(0, max_gamma + 1)
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for da in (-0.15, 0.15):
         a = min(max(alpha + da, 0.01), 0.99)
         ax.plot(gammas, [_chain_speedup(a, g, c) for g in gammas], color="0.75", lw=1, ls=":")
-        ax.annotate(f"α={a:.2f}", (gammas[-1], _chain_speedup(a, gammas[-1], c)), fontsize=7, color="0.5")
+        ax.annotate(f"α={a:.2f}", (gammas[-1] + 0.1, _chain_speedup(a, gammas[-1], c)), fontsize=7, color="0.5", va="bottom")
     for fc in (0.5, 2.0):
         ax.plot(gammas, [_chain_speedup(alpha, g, c * fc) for g in gammas], color="0.75", lw=1, ls="--")
-        ax.annotate(f"c={c * fc:.2f}", (gammas[-1], _chain_speedup(alpha, gammas[-1], c * fc)), fontsize=7, color="0.5")
+        ax.annotate(f"c={c * fc:.2f}", (gammas[-1] - 1.5, _chain_speedup(alpha, gammas[-1] - 1.5, c * fc)), fontsize=7, color="0.5", va="top")
     seed = [_chain_speedup(alpha, g, c) for g in gammas]
     ax.plot(gammas, seed, color="C0", lw=2, label=f"seed formula, α={alpha:.2f}, c={c:.2f}")
     g_opt = int(np.argmax(seed))
@@ -63,6 +64,12 @@ def ewif_curves(points: list[dict], alpha: float, c: float, title: str, out_dir,
         ax.plot(gammas, charged, color="C1", lw=2, label="with measured verification cost")
         g2 = int(np.argmax(charged))
         ax.plot([g2], [charged[g2]], marker="*", ms=14, color="C1", ls="none", label=f"optimal γ (charged) = {g2}")
+    if alpha_by_depth and verify is not None:
+        gs = np.arange(0, min(max_gamma, len(alpha_by_depth)) + 1)
+        depth = [theory.expected_tokens_per_position(alpha_by_depth[:g]) / (verify(g) + g * c) for g in gs]
+        ax.plot(gs, depth, color="C2", lw=2, label="per-depth α + measured verification cost")
+        g3 = int(np.argmax(depth))
+        ax.plot([gs[g3]], [depth[g3]], marker="*", ms=14, color="C2", ls="none", label=f"optimal γ (per-depth) = {gs[g3]}")
     if points:
         pts = sorted(points, key=lambda p: p["gamma"])
         x = [p["gamma"] for p in pts]

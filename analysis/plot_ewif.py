@@ -39,6 +39,8 @@ def _spread(job, name: str) -> tuple[float, float]:
 def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
     """Measured points, pooled α and c, the verification-cost function and a title."""
     points, acc, drafted, cs, vc = [], 0.0, 0.0, [], []
+    depth_alphas: list[float] = []
+    best_k = 0
     for job in jobs:
         name = _method(job)
         m = job.summary["methods"][name]
@@ -52,20 +54,31 @@ def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
         n = d["drafted_per_step"] * d["target_forwards"]
         acc += d["alpha"] * n
         drafted += n
-        cs.append(d["draft_time_per_token_s"] / base["target_time_per_forward_s"])
+        # drafter time per token outside each prompt's first round (which holds an LM drafter's
+        # prefill of the prompt: a per-prompt cost, not a per-token one)
+        seen, t, nd = set(), 0.0, 0
+        for st in job.steps():
+            if st["method"] == name:
+                if st["prompt"] in seen:
+                    t += st["draft_time_s"]
+                    nd += st["drafted"]
+                seen.add(st["prompt"])
+        per_token = t / nd if nd else d["draft_time_per_token_s"]
+        cs.append(per_token / base["target_time_per_forward_s"])
         vc.append((d["drafted_per_step"], d["target_time_per_forward_s"] / base["target_time_per_forward_s"]))
+        if int(k) > best_k:  # per-depth rates from the longest drafts measured
+            best_k, depth_alphas = int(k), d.get("alpha_by_depth") or []
     if not points:
         raise GatherError("no chain-method job with a draft length (method.drafter.k) and drafted tokens found")
     alpha, c = acc / drafted, float(np.median(cs))
-    if len({x for x, _ in vc}) >= 2:
-        slope, icpt = np.polyfit([x for x, _ in vc], [y for _, y in vc], 1)
-    else:
-        slope, icpt = (vc[0][1] - 1.0) / max(vc[0][0], 1e-9), 1.0
-    verify = lambda g: max(icpt + slope * g, 1e-3)  # noqa: E731
+    # verification cost / one AR step as a function of γ: piecewise linear through (0, 1) and the
+    # measured (mean draft length, cost) of each job; flat beyond the last
+    xs, ys = zip(*sorted([(0.0, 1.0)] + vc))
+    verify = lambda g: float(np.interp(g, xs, ys))  # noqa: E731
     cfg = jobs[0].summary["config"]
     title = (f"{cfg['models']['target']} ← {_method(jobs[0])} ({cfg['models'].get('small')}), "
              f"{cfg['dataset']['name']} ×{cfg['dataset'].get('num_prompts')}, {'greedy' if cfg['sampling']['temperature'] == 0 else 'sampled'}")
-    return points, alpha, c, verify, title
+    return points, alpha, c, verify, title, depth_alphas
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     cascades = [j for j in jobs if j.summary["config"]["method"]["drafter"].get("levels")]
     chains = [j for j in jobs if j not in cascades]
     if chains:
-        points, alpha, c, verify, title = chain_points(chains)
-        _, paths = figures.ewif_curves(points, alpha, c, title, args.out, verify=verify)
+        points, alpha, c, verify, title, depth = chain_points(chains)
+        _, paths = figures.ewif_curves(points, alpha, c, title, args.out, verify=verify, alpha_by_depth=depth)
         written += paths
         print(f"chain: pooled alpha {alpha:.3f}, c {c:.3f}; measured points " +
               ", ".join(f"γ={p['gamma']}: {p['speedup']:.2f}x" for p in sorted(points, key=lambda p: p["gamma"])))
