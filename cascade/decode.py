@@ -5,8 +5,9 @@ the last one. A step feeds ``[last] + draft`` (k+1 tokens) in one forward and ge
 distributions for the k+1 positions after ``last``; after verification the cache is cropped to
 the sequence plus the accepted draft tokens, and the recovered/bonus token becomes the new
 ``last``. A tree draft (``DraftBlock.parents``) is verified in the same single forward with
-tree positions and a tree-attention mask, and the cache is compacted to the accepted path. The autoregressive baseline is the same loop with an empty draft, so both share
-every line of code but the drafter call.
+tree positions and a tree-attention mask, and the cache is compacted to the accepted path.
+The autoregressive baseline is the same loop with an empty draft, so both share every line of
+code but the drafter call.
 """
 
 from __future__ import annotations
