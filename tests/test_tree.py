@@ -278,3 +278,27 @@ def test_tree_verifier_on_cuda():
     ar = generate(target, prefix, max_new_tokens=24, stop_on_eos=False)
     sp = generate(target, prefix, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
     assert sp.tokens == ar.tokens
+
+
+class _SlowFirstCall(SmallLMDrafter):
+    """A drafter whose first call of a generation is slow, like an LM drafter's prompt prefill."""
+
+    def reset(self, sampling, generator):
+        super().reset(sampling, generator)
+        self._first = True
+
+    def score(self, context, extra=()):
+        if self._first:
+            import time
+
+            time.sleep(0.3)
+            self._first = False
+        return super().score(context, extra)
+
+
+def test_prefill_call_does_not_set_the_cost_estimate(tiny_target, tiny_close_drafter):
+    """Regression: a prefill-sized first call made the policy stop calling the drafter for good."""
+    drafter = TreeDrafter([_SlowFirstCall(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8))
+    out = generate(tiny_target, [1, 2, 3, 4], drafter=drafter, max_new_tokens=20, stop_on_eos=False)
+    assert drafter.dcost.get(drafter.names[0]) < 0.1
+    assert sum(s.drafted for s in out.steps) > len(out.steps)  # it kept drafting
