@@ -1,24 +1,46 @@
-"""Gather result directories (one run, or a whole multirun sweep) into rows.
+"""Read result directories (one run, or a whole multirun sweep): the one job reader.
 
-``python -m cascade.results DIR`` prints one line per (job, method); incomplete jobs (no
-``summary.json``: still running, crashed or interrupted) are listed, not silently dropped.
+``load_jobs(root)`` returns the complete jobs (``Job``: directory, summary, swept parameters
+from ``.hydra/overrides.yaml``, per-step records on demand) and the incomplete job directories
+(no ``summary.json``: still running, crashed or interrupted), which are listed, not silently
+dropped. A malformed file raises ``GatherError`` naming it (and the line, for ``steps.jsonl``).
+``analysis.gather`` builds its pandas table on this.
+
+``python -m cascade.results DIR`` prints one line per (job, method).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 
-def _overrides(job_dir: Path) -> dict[str, str]:
-    path = job_dir / ".hydra" / "overrides.yaml"
+class GatherError(ValueError):
+    """A result file is missing a required field or is not valid JSON / YAML."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise GatherError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+
+
+def overrides(job: Path) -> dict[str, str]:
+    """The job's swept parameters (Hydra overrides), without the experiment/debug selectors."""
+    path = job / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return {}
-    items = yaml.safe_load(path.read_text()) or []
-    return dict(item.lstrip("+~").split("=", 1) for item in items if "=" in item)
+    try:
+        items = yaml.safe_load(path.read_text()) or []
+    except yaml.YAMLError as exc:
+        raise GatherError(f"{path}: not valid YAML ({exc})") from exc
+    return {k.lstrip("+~"): v for k, v in (item.split("=", 1) for item in items if "=" in item)
+            if k.lstrip("+~") not in ("experiment", "debug")}
 
 
 def job_dirs(root: str | Path) -> list[Path]:
@@ -30,25 +52,54 @@ def job_dirs(root: str | Path) -> list[Path]:
     return sorted(found)
 
 
+@dataclass
+class Job:
+    dir: Path
+    summary: dict
+    params: dict
+    _steps: list[dict] | None = field(default=None, repr=False)
+
+    def steps(self) -> list[dict]:
+        """The per-step records (``steps.jsonl``), read once."""
+        if self._steps is None:
+            path = self.dir / "steps.jsonl"
+            if not path.is_file():
+                raise GatherError(f"{path}: missing (the run's per-step records)")
+            rows = []
+            for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise GatherError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            self._steps = rows
+        return self._steps
+
+
+def load_jobs(root: str | Path) -> tuple[list[Job], list[Path]]:
+    """Complete jobs under ``root`` and the incomplete job directories."""
+    jobs, incomplete = [], []
+    for d in job_dirs(root):
+        path = d / "summary.json"
+        if not path.is_file():
+            incomplete.append(d)
+            continue
+        summary = _read_json(path)
+        for key in ("methods", "config", "baseline"):
+            if key not in summary:
+                raise GatherError(f"{path}: malformed summary (no {key!r})")
+        jobs.append(Job(d, summary, overrides(d)))
+    return jobs, incomplete
+
+
 def gather(root: str | Path) -> tuple[list[dict], list[Path]]:
     """Rows (one per job and method) and the incomplete job directories."""
-    rows, incomplete = [], []
-    for job in job_dirs(root):
-        path = job / "summary.json"
-        if not path.is_file():
-            incomplete.append(job)
-            continue
-        try:
-            summary = json.loads(path.read_text())
-            methods = summary["methods"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ValueError(f"{path}: malformed summary ({exc})") from exc
-        for name, m in methods.items():
-            rows.append({
-                "dir": str(job), "experiment": summary.get("experiment"), "method": name,
-                **_overrides(job),
-                **{k: m.get(k) for k in ("tau", "alpha", "tokens_per_s", "speedup")},
-            })
+    jobs, incomplete = load_jobs(root)
+    rows = [
+        {"dir": str(job.dir), "experiment": job.summary.get("experiment"), "method": name, **job.params,
+         **{k: m.get(k) for k in ("tau", "alpha", "tokens_per_s", "speedup")}}
+        for job in jobs for name, m in job.summary["methods"].items()
+    ]
     return rows, incomplete
 
 
