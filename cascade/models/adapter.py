@@ -72,15 +72,9 @@ class ExitAdapter(nn.Module):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
-    @staticmethod
-    def cache_len(cache: DynamicCache) -> int:
-        return int(cache.get_seq_length())
-
-    @staticmethod
-    def crop(cache: DynamicCache, length: int) -> None:
-        drop = int(cache.get_seq_length()) - length
-        if drop > 0:
-            cache.crop(-drop)
+    # the adapter's cache is a DynamicCache like a model's: the same length and crop helpers
+    cache_len = staticmethod(CausalLM.cache_len)
+    crop = staticmethod(CausalLM.crop)
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
