@@ -94,16 +94,18 @@ def _output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.get("output_dir") or "outputs/run")
 
 
-def _decode_all(cfg, target, methods: dict, prompts: list[list[int]]) -> dict[str, list]:
-    sampling = dict(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p)
-    max_new = cfg.dataset.max_new_tokens
-    if cfg.warmup:
+def decode_interleaved(target, methods: dict, prompts: list[list[int]], max_new_tokens: int, *, warmup: bool = True,
+                       progress: bool = True, seed: int = 0, **sampling) -> dict[str, list]:
+    """Every method (name -> drafter, None = autoregressive) on every prompt, interleaved prompt by
+    prompt so that machine noise hits all methods alike, after one short warm-up generation per
+    method. Prompt i is decoded with seed ``seed + i``. Returns name -> [Generation per prompt]."""
+    if warmup:
         for drafter in methods.values():
-            generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=min(8, max_new), seed=0, **sampling)
+            generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=min(8, max_new_tokens), seed=0, **sampling)
     gens: dict[str, list] = {name: [] for name in methods}
-    for i, ids in enumerate(tqdm(prompts, desc="prompts", disable=not cfg.progress)):
+    for i, ids in enumerate(tqdm(prompts, desc="prompts", disable=not progress)):
         for name, drafter in methods.items():
-            gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=max_new, seed=cfg.seed + i, **sampling))
+            gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=max_new_tokens, seed=seed + i, **sampling))
     return gens
 
 
@@ -137,7 +139,9 @@ def run(cfg: DictConfig) -> dict:
     prompts = [encode_prompt(target, p.text, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 
-    gens = _decode_all(cfg, target, methods, prompts)
+    sampling = dict(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p)
+    gens = decode_interleaved(target, methods, prompts, ds.max_new_tokens, warmup=cfg.warmup, progress=cfg.progress,
+                              seed=cfg.seed, **sampling)
     base = summarize(gens[BASELINE])
     results = {}
     for name, g in gens.items():

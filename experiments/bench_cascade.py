@@ -14,11 +14,12 @@ import argparse
 
 import torch
 
-from cascade import generate, load_model
+from cascade import load_model
 from cascade.cascades import VerticalCascade
 from cascade.data import encode_prompt, load_prompts
 from cascade.drafters import NGramDrafter, SmallLMDrafter
 from cascade.metrics import prediction, speedup, summarize
+from cascade.run import decode_interleaved
 
 
 def main() -> None:
@@ -42,13 +43,7 @@ def main() -> None:
         "chain_0.5b": SmallLMDrafter(small, k=args.k),
         "csd_0.5b<-ngram": VerticalCascade([SmallLMDrafter(small, k=args.k), NGramDrafter(k=args.k_ngram, max_ngram=2)]),
     }
-    for drafter in methods.values():
-        generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=8)
-    gens = {name: [] for name in methods}
-    for i, ids in enumerate(prompts):
-        for name, drafter in methods.items():
-            gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=args.max_new_tokens))
-        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    gens = decode_interleaved(target, methods, prompts, args.max_new_tokens)
 
     base = summarize(gens["ar"])
     print(f"\n{args.target} <- {args.drafter}, humaneval x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "

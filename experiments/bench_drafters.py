@@ -18,16 +18,16 @@ prompts, greedy, every method interleaved per prompt after a warm-up, in one pro
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from cascade import generate, load_model
+from cascade import load_model
 from cascade.cascades import VerticalCascade
 from cascade.data import encode_prompt, load_prompts
 from cascade.drafters import ConfidenceStop, LayerSkipDrafter, QuantizedLMDrafter, SmallLMDrafter, ThompsonStop
 from cascade.metrics import prediction, speedup, summarize
+from cascade.run import decode_interleaved
 
 
 def main() -> None:
@@ -57,22 +57,14 @@ def main() -> None:
         "double_early_exit": lambda: VerticalCascade([LayerSkipDrafter(args.deep_exit, k=6), LayerSkipDrafter(args.exit, k=3)]),
     }
     wanted = [m for m in args.methods.split(",") if m] or list(makers)
-    methods, config = {"ar": None}, {}
+    methods = {"ar": None}
     for name in wanted:
         if name == "kangaroo" and not Path(args.adapter).expanduser().is_file():
             print(f"kangaroo skipped: no adapter at {args.adapter} (python -m cascade.train_adapter)")
             continue
-        t0 = time.perf_counter()
         methods[name] = makers[name]()
-        config[name] = f"built in {time.perf_counter() - t0:.1f} s"
     prompts = [encode_prompt(target, p.text) for p in load_prompts("humaneval", args.num_prompts)]
-    for drafter in methods.values():
-        generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=8)
-    gens = {name: [] for name in methods}
-    for i, ids in enumerate(prompts):
-        for name, drafter in methods.items():
-            gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=args.max_new_tokens))
-        print(f"prompt {i + 1}/{len(prompts)} done", flush=True)
+    gens = decode_interleaved(target, methods, prompts, args.max_new_tokens)
 
     base = summarize(gens["ar"])
     print(f"\n{args.target} ({target.dtype}), humaneval x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "

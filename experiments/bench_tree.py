@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -34,13 +33,11 @@ from cascade.drafters import LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter,
 from cascade.metrics import speedup, summarize
 from cascade.tree_drafter import DynamicTreePolicy, StaticTreePolicy, TreeDrafter
 
+from bench_core import hf_generate  # experiments/ is on sys.path when a script here runs
+
 
 def hf_assisted(target, assistant, ids, max_new):
-    inp = torch.tensor([ids])
-    t0 = time.perf_counter()
-    out = target.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False,
-                                assistant_model=assistant.model, pad_token_id=next(iter(target.eos_token_ids), 0))
-    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+    return hf_generate(target, ids, max_new, assistant_model=assistant.model)
 
 
 def main() -> None:
