@@ -78,11 +78,12 @@ def trace_from_job(job, exact_drafter: bool | None = None) -> ChainTrace:
         a, d = st["accepted"], st["drafted"]
         kn = known.setdefault(p, {})
         if d:
-            censored = a == d
-            span = a + 1 if (exact_drafter and not censored) else (a if exact_drafter else 1)
-            for j in range(max(span, 1)):
-                if j == 0 or exact_drafter:
-                    kn.setdefault(s + j, (a - j, censored))
+            censored = a == d  # (then a >= 1)
+            # an exact drafter fixes M along the accepted run (and at the rejection, M = 0);
+            # otherwise only at the round's start
+            span = (a if censored else a + 1) if exact_drafter else 1
+            for j in range(span):
+                kn.setdefault(s + j, (a - j, censored))
         pos[p] = s + st["emitted"]
         outputs[p] = pos[p]
     m = job.summary["methods"][name]["detail"]
