@@ -46,25 +46,17 @@ def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
         m = job.summary["methods"][name]
         d = m["detail"]
         base = job.summary["methods"][job.summary["baseline"]]["detail"]
-        k = job.summary["config"]["method"]["drafter"].get("k")
-        if k is None or d.get("alpha") is None:
+        info = job.drafter(name)
+        k = info["budget"]
+        if not k or info["parts"] or d.get("alpha") is None:
             continue
         lo, hi = _spread(job, name)
         points.append({"gamma": int(k), "speedup": m["speedup"], "lo": lo, "hi": hi})
         n = d["drafted_per_step"] * d["target_forwards"]
         acc += d["alpha"] * n
         drafted += n
-        # drafter time per token outside each prompt's first round (which holds an LM drafter's
-        # prefill of the prompt: a per-prompt cost, not a per-token one)
-        seen, t, nd = set(), 0.0, 0
-        for st in job.steps():
-            if st["method"] == name:
-                if st["prompt"] in seen:
-                    t += st["draft_time_s"]
-                    nd += st["drafted"]
-                seen.add(st["prompt"])
-        per_token = t / nd if nd else d["draft_time_per_token_s"]
-        cs.append(per_token / base["target_time_per_forward_s"])
+        # per drafted token; the drafter's prefill of each prompt is recorded on its own
+        cs.append(d["draft_time_per_token_s"] / base["target_time_per_forward_s"])
         vc.append((d["drafted_per_step"], d["target_time_per_forward_s"] / base["target_time_per_forward_s"]))
         if int(k) > best_k:  # per-depth rates from the longest drafts measured
             best_k, depth_alphas = int(k), d.get("alpha_by_depth") or []
@@ -93,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no complete job under {args.results}", file=sys.stderr)
         return 1
     written = []
-    cascades = [j for j in jobs if j.summary["config"]["method"]["drafter"].get("levels")]
+    cascades = [j for j in jobs if j.drafter(_method(j))["kind"] == "vertical_cascade"]
     chains = [j for j in jobs if j not in cascades]
     if chains:
         points, alpha, c, verify, title, depth = chain_points(chains)
@@ -110,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         lv_top, lv_low = levels[top], levels[lower]
         cfg = job.summary["config"]
         title = f"{cfg['models']['target']} ← {top} ← {lower}, {cfg['dataset']['name']}"
-        k = cfg["method"]["drafter"]["levels"][1].get("k", 4)
+        k = job.drafter(name)["parts"][1]["budget"]
         rounds = lv_low.get("rounds")
         pts = []
         if rounds:

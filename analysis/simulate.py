@@ -18,9 +18,8 @@ expectation elsewhere. For other drafters (n-gram, stop policies) every M is dra
 
 Time: a round of length γ costs verify(γ) + γ t_draft, with verify linear between the
 autoregressive step (1 token) and the recorded verification forwards (k + 1 tokens), and
-t_draft the recorded drafter time per drafted token outside each prompt's first round. The
-first round's drafter time (an LM drafter's prefill of the prompt) and the target's prefill
-are per-prompt costs, taken as recorded.
+t_draft the recorded drafter time per drafted token. The target's and the drafter's prefills of
+the prompt are per-prompt costs, taken as recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +34,13 @@ import numpy as np
 from analysis.gather import GatherError, load_jobs
 
 
+# drafter kinds whose draft from inside an accepted run is the rest of the earlier draft. Not the
+# int8-dynamic drafter: it quantizes activations per forward, so its logits at a position depend
+# on which other tokens share the forward (measured: a prompt-sized catch-up and a one-token
+# forward draft different tokens), and a draft is not a function of its context alone.
+EXACT_KINDS = ("small_lm", "layer_skip")
+
+
 @dataclass
 class ChainTrace:
     outputs: dict[str, int]  # prompt -> output length
@@ -42,7 +48,7 @@ class ChainTrace:
     k: int  # recorded draft length
     exact_drafter: bool
     t_draft_token: float
-    first_round_s: float  # drafter time of each prompt's first round (its prefill), summed
+    drafter_prefill_s: float  # the drafter's prefills of the prompts, summed
     t_verify_k: float  # recorded verification forward (k + 1 tokens)
     t_ar_step: float  # autoregressive step (1 token)
     prefill_s: float
@@ -51,30 +57,22 @@ class ChainTrace:
 
 def trace_from_job(job, exact_drafter: bool | None = None) -> ChainTrace:
     name = next(m for m in job.summary["methods"] if m != job.summary["baseline"])
-    cfg = job.summary["config"]["method"]["drafter"]
-    k = int(cfg.get("k") or 0)
-    if k < 1 or cfg.get("levels") or cfg.get("schedule") or cfg.get("policy"):
+    info = job.drafter(name)
+    k = int(info["budget"] or 0)
+    if k < 1 or info["parts"]:
         raise GatherError(f"{job.dir}: trace replay needs a single-drafter chain run with a draft length k")
     if job.summary["config"]["sampling"]["temperature"] != 0:
         raise GatherError(f"{job.dir}: trace replay needs a greedy run")
     if exact_drafter is None:  # an autoregressive LM drafter without a stop policy
-        exact_drafter = cfg.get("_target_", "").endswith(("SmallLMDrafter", "QuantizedLMDrafter", "LayerSkipDrafter")) \
-            and not cfg.get("stop") and not cfg.get("stop_below")
+        exact_drafter = info["kind"] in EXACT_KINDS and info["stop"] == "FixedK"
     known: dict[str, dict[int, tuple[int, bool]]] = {}
     outputs: dict[str, int] = {}
     pos: dict[str, int] = {}
-    first_s = rest_s = 0.0
-    rest_n = 0
     for st in job.steps():
         if st["method"] != name:
             continue
         p = st["prompt"]
         s = pos.get(p, 0)
-        if p not in pos:
-            first_s += st["draft_time_s"]
-        else:
-            rest_s += st["draft_time_s"]
-            rest_n += st["drafted"]
         a, d = st["accepted"], st["drafted"]
         kn = known.setdefault(p, {})
         if d:
@@ -88,8 +86,8 @@ def trace_from_job(job, exact_drafter: bool | None = None) -> ChainTrace:
         outputs[p] = pos[p]
     m = job.summary["methods"][name]["detail"]
     base = job.summary["methods"][job.summary["baseline"]]["detail"]
-    t_tok = rest_s / rest_n if rest_n else m["draft_time_per_token_s"]
-    return ChainTrace(outputs, known, k, exact_drafter, t_tok, first_s, m["target_time_per_forward_s"],
+    return ChainTrace(outputs, known, k, exact_drafter, m["draft_time_per_token_s"], m["drafter_prefill_time_s"],
+                      m["target_time_per_forward_s"],
                       base["target_time_per_forward_s"], m["prefill_time_s"], base["tokens_per_s"])
 
 
@@ -138,7 +136,7 @@ def replay(trace: ChainTrace, gamma: int, samples: int = 50, seed: int = 0) -> d
                 steps += 1
             tokens += length
         taus.append(tokens / steps)
-        tps.append(tokens / (trace.prefill_s + trace.first_round_s + steps * step_cost))
+        tps.append(tokens / (trace.prefill_s + trace.drafter_prefill_s + steps * step_cost))
         exact_share.append(exact / steps)
     tau, rate = float(np.mean(taus)), float(np.mean(tps))
     return {"gamma": gamma, "tau": tau, "tokens_per_s": rate, "speedup": rate / trace.ar_tokens_per_s,

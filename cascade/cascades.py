@@ -29,17 +29,9 @@ import torch
 from cascade.drafters.base import Drafter
 from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM
-from cascade.rejection import verify_chain_greedy, verify_chain_sampled
 from cascade.sampling import logits_to_probs
-from cascade.types import DraftBlock, SamplingConfig, VerifyResult
-
-
-def _merge_level_stats(into: dict, name: str, drafted: int, accepted: int, time_s: float) -> None:
-    stats = into.setdefault(name, {"drafted": 0, "accepted": 0, "time_s": 0.0, "rounds": 0})
-    stats["drafted"] += drafted
-    stats["accepted"] += accepted
-    stats["time_s"] += time_s
-    stats["rounds"] += 1
+from cascade.types import CascadeStats, DraftBlock, DrafterInfo, LevelStats, SamplingConfig, Segment, VerifyResult
+from cascade.verify import EXACT, Verifier
 
 
 class VerticalCascade(Drafter):
@@ -51,15 +43,32 @@ class VerticalCascade(Drafter):
     each lower level's own ``k`` is its budget per inner round.
     """
 
-    def __init__(self, levels: list[Drafter], name: str | None = None) -> None:
+    kind = "vertical_cascade"
+
+    def __init__(self, levels: list[Drafter], name: str | None = None, verifier: Verifier = EXACT) -> None:
+        """verifier: the acceptance rules every inner round uses (``cascade.verify``; exact by default)."""
         levels = list(levels)
         if len(levels) < 2:
             raise ValueError("a vertical cascade needs at least two levels")
         if not isinstance(levels[0], LMDrafter):
             raise TypeError(f"the top level of a vertical cascade must be an LMDrafter, got {type(levels[0]).__name__}")
         self.top = levels[0]
-        self.lower: Drafter = levels[1] if len(levels) == 2 else VerticalCascade(levels[1:])
+        self.lower: Drafter = levels[1] if len(levels) == 2 else VerticalCascade(levels[1:], verifier=verifier)
+        if self.lower.hidden_layer is not None:
+            raise ValueError(
+                f"{self.lower.name} needs the target's hidden states, which a lower cascade level does not get "
+                "(its verifier is the level above, not the target): use it as the top level or alone"
+            )
+        self.verifier = verifier
         self.name = name or " <- ".join([self.top.name, self.lower.name])
+
+    @property
+    def hidden_layer(self) -> int | None:
+        return self.top.hidden_layer
+
+    def describe(self) -> DrafterInfo:
+        lower = self.lower.describe()
+        return DrafterInfo(self.kind, self.name, self.top.k, parts=[self.top.describe()] + (lower.parts if isinstance(self.lower, VerticalCascade) else [lower]))
 
     def check_compatible(self, target: CausalLM) -> None:
         self.top.check_compatible(target)
@@ -79,50 +88,56 @@ class VerticalCascade(Drafter):
             self.lower.bind(self.top.model, top_cache)
         self.lower.reset(sampling, generator)
 
-    def _inner_round(self, ctx: list[int], budget: int, deterministic: bool, stats: dict):
-        """One speculative round of the top level over the lower level's draft.
+    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        self.top.prefill(prompt, hidden)
+        self.lower.prefill(prompt)
+
+    def _inner_round(self, ctx: list[int], budget: int, deterministic: bool, lower: dict[str, LevelStats]):
+        """One speculative round of the top level over the lower level's draft: the lower level's
+        block is verified by the top's model with the same rules as the target's verification.
 
         Returns the emitted tokens, the top level's processed distribution at each emitted
         position when sampling ([m, V], else None), and the top level's own time."""
         t0 = time.perf_counter()
         self.top.sync(ctx)  # the top's cache must hold a prefix of ctx only (a lower level may share it)
         block = self.lower.propose(ctx, budget - 1) if budget > 1 else DraftBlock.empty(self.lower.name)
+        if not block.is_chain:
+            raise ValueError(f"{self.lower.name} proposed a token tree: a cascade level verifies chains")
         t1 = time.perf_counter()
         logits = self.top.score(ctx, block.tokens.tolist())  # [j+1, V]
-        draft = block.tokens.to(logits.device)
-        if deterministic:
-            result = verify_chain_greedy(draft, logits.argmax(-1))
-            q_top = None
-        else:
-            q_top = logits_to_probs(logits, self.sampling)  # [j+1, V]
-            q_low = None if block.q is None else block.q.to(q_top.device)
-            result = verify_chain_sampled(draft, q_low, q_top, self.generator)
+        sampling = SamplingConfig() if deterministic else self.sampling
+        result = self.verifier.accept(block, logits, sampling, self.generator)
         emitted = block.tokens.tolist()[: result.num_accepted] + [result.next_token]
         self.lower.observe(ctx + emitted, result)
         if block.k:  # a nested cascade reports its own top level's time, without its levels'
-            own_time = block.info.get("top_time_s", t1 - t0)
-            _merge_level_stats(stats, block.info.get("top", self.lower.name), block.k, result.num_accepted, own_time)
-        for name, inner in block.info.get("levels", {}).items():  # deeper levels, already aggregated
-            agg = stats.setdefault(name, dict.fromkeys(inner, 0))
-            for key, value in inner.items():
-                agg[key] += value
-        rows = None if q_top is None else q_top[: len(emitted)]
+            own = block.cascade
+            name, own_time = (own.top, own.top_time_s) if own is not None else (self.lower.name, t1 - t0)
+            lower.setdefault(name, LevelStats()).add(LevelStats(block.k, result.num_accepted, own_time, 1))
+            for deeper, stats in (own.lower.items() if own is not None else ()):  # already aggregated
+                lower.setdefault(deeper, LevelStats()).add(stats)
+        rows = None
+        if not deterministic:
+            rows = logits_to_probs(logits[: len(emitted)], self.sampling)  # [m, V]
         return emitted, rows, time.perf_counter() - t1
 
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         n = min(budget, self.top.k)
         deterministic = self.sampling.greedy or not self.top.sample
-        ctx, tokens, q_rows, stats, top_time = list(context), [], [], {}, 0.0
+        ctx, tokens, q_rows, lower, top_time = list(context), [], [], {}, 0.0
         while len(tokens) < n:
-            emitted, rows, dt = self._inner_round(ctx, n - len(tokens), deterministic, stats)
+            emitted, rows, dt = self._inner_round(ctx, n - len(tokens), deterministic, lower)
             top_time += dt
             ctx += emitted
             tokens += emitted
             if rows is not None:
                 q_rows.append(rows)
         q = torch.cat(q_rows) if q_rows else None  # [n, V]
-        info = {"levels": stats, "top": self.top.name, "top_time_s": top_time}
-        return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name, info)
+        return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name,
+                          cascade=CascadeStats(self.top.name, top_time, lower))
+
+    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
+                hidden: torch.Tensor | None = None) -> None:
+        self.top.observe(context, result, verify_time_s, hidden)
 
 
 class HorizontalCascade(Drafter):
@@ -133,6 +148,8 @@ class HorizontalCascade(Drafter):
     one-hot ``q`` rows when another entry samples, so the block's ``q`` is exact at every position.
     """
 
+    kind = "horizontal_cascade"
+
     def __init__(self, schedule: list, name: str | None = None) -> None:
         entries = [(d, int(n)) for d, n in (e if isinstance(e, (tuple, list)) else (e["drafter"], e["tokens"]) for e in schedule)]
         if not entries or any(n < 1 for _, n in entries):
@@ -140,6 +157,13 @@ class HorizontalCascade(Drafter):
         self.schedule = entries
         self.k = sum(n for _, n in entries)
         self.name = name or " | ".join(f"{d.name}x{n}" for d, n in entries)
+        layers = {d.hidden_layer for d, _ in entries} - {None}
+        if len(layers) > 1:
+            raise ValueError(f"schedule entries need the target's hidden states at different layers {sorted(layers)}")
+        self.hidden_layer = layers.pop() if layers else None
+
+    def describe(self) -> DrafterInfo:
+        return DrafterInfo(self.kind, self.name, self.k, parts=[d.describe() for d, _ in self.schedule])
 
     def check_compatible(self, target: CausalLM) -> None:
         for drafter, _ in self.schedule:
@@ -154,11 +178,15 @@ class HorizontalCascade(Drafter):
         for drafter, _ in self.schedule:
             drafter.reset(sampling, generator)
 
+    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        for drafter, _ in self.schedule:
+            drafter.prefill(prompt, hidden if drafter.hidden_layer is not None else None)
+
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         budget = min(budget, self.k)
         tokens: list[int] = []
         segments: list[DraftBlock] = []
-        spans: list[dict] = []  # where each entry's tokens sit in the draft, for per-segment alpha
+        spans: list[Segment] = []  # where each entry's tokens sit in the draft, for per-segment alpha
         carry = 0  # positions a previous entry left unfilled
         for drafter, share in self.schedule:
             want = min(share + carry, budget - len(tokens))
@@ -166,15 +194,18 @@ class HorizontalCascade(Drafter):
                 break
             t0 = time.perf_counter()
             block = drafter.propose(context + tokens, want)
-            spans.append({"drafter": drafter.name, "start": len(tokens), "len": block.k, "time_s": time.perf_counter() - t0})
+            if not block.is_chain:
+                raise ValueError(f"{drafter.name} proposed a token tree: a horizontal schedule concatenates chains")
+            spans.append(Segment(drafter.name, len(tokens), block.k, time.perf_counter() - t0))
             carry = want - block.k
             tokens += block.tokens.tolist()
             segments.append(block)
-        return DraftBlock(torch.tensor(tokens, dtype=torch.long), _stack_q(segments), self.name, {"segments": spans})
+        return DraftBlock(torch.tensor(tokens, dtype=torch.long), _stack_q(segments), self.name, segments=spans)
 
-    def observe(self, context: list[int], result: VerifyResult) -> None:
+    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
+                hidden: torch.Tensor | None = None) -> None:
         for drafter, _ in self.schedule:
-            drafter.observe(context, result)
+            drafter.observe(context, result, verify_time_s, hidden if drafter.hidden_layer is not None else None)
 
 
 def _stack_q(segments: list[DraftBlock]) -> torch.Tensor | None:

@@ -1,13 +1,12 @@
 """`generate()`: the speculative decoding loop (and, with no drafter, the autoregressive baseline).
 
 Cache invariant: before each step the target's KV cache holds every token of the sequence but
-the last one. A step feeds ``[last] + draft`` (k+1 tokens) in one forward and gets the target's
-distributions for the k+1 positions after ``last``; after verification the cache is cropped to
-the sequence plus the accepted draft tokens, and the recovered/bonus token becomes the new
-``last``. A tree draft (``DraftBlock.parents``) is verified in the same single forward with
-tree positions and a tree-attention mask, and the cache is compacted to the accepted path.
-The autoregressive baseline is the same loop with an empty draft, so both share every line of
-code but the drafter call.
+the last one. A step feeds ``[last] + draft`` (n+1 tokens) in one forward and gets the target's
+distributions at ``last`` and at every drafted node (a token tree gets tree positions and a
+tree-attention mask; a chain is the tree ``[-1, 0, 1, ...]`` and needs neither). The verifier
+(``cascade.verify``) judges the draft, the cache keeps the accepted path (``verify.commit``), and
+the recovered/bonus token becomes the new ``last``. The autoregressive baseline is the same loop
+with an empty draft, so both share every line of code but the drafter calls.
 """
 
 from __future__ import annotations
@@ -21,10 +20,9 @@ from tqdm.auto import tqdm
 from cascade.drafters.base import Drafter
 from cascade.metrics import summarize
 from cascade.models.lm import CausalLM
-from cascade.rejection import verify_chain_greedy, verify_chain_sampled
-from cascade.sampling import logits_to_probs, make_generator
-from cascade.tree import compact_cache, tree_mask, tree_positions, verify_tree_greedy, verify_tree_sampled
-from cascade.types import DraftBlock, SamplingConfig, StepRecord, VerifyResult
+from cascade.sampling import make_generator
+from cascade.types import DraftBlock, SamplingConfig, StepRecord
+from cascade.verify import EXACT, Verifier, commit, verify_forward
 
 
 @dataclass
@@ -34,10 +32,11 @@ class Generation:
     tokens: list[int]  # new token ids (EOS included when generation stopped on it)
     prompt_len: int
     steps: list[StepRecord]
-    wall_time_s: float  # prefill + all steps
-    prefill_time_s: float
+    wall_time_s: float  # prefills + all steps
+    prefill_time_s: float  # the target's prefill of the prompt
     stop_reason: str  # "eos" | "max_new_tokens"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    drafter_prefill_time_s: float = 0.0  # the drafter's catch-up on the prompt (Drafter.prefill)
 
     def summary(self) -> dict:
         return summarize([self])
@@ -84,24 +83,6 @@ def _validate(target: CausalLM, prompt: list[int], max_new_tokens: int) -> None:
         raise ValueError(f"prompt holds token ids outside the vocabulary [0, {target.vocab_size}): {bad[:5]}")
 
 
-def _verify(block: DraftBlock, logits: torch.Tensor, sampling: SamplingConfig, gen) -> tuple[VerifyResult, torch.Tensor]:
-    """logits: [k+1, V]. Returns the result and the target's argmax [k+1]."""
-    argmax = logits.argmax(-1)  # [k+1]
-    if block.parents is not None:
-        tokens = block.tokens.tolist()
-        if sampling.greedy:
-            return verify_tree_greedy(tokens, block.parents, argmax), argmax
-        p = logits_to_probs(logits, sampling)  # [k+1, V]
-        q = [None] * len(tokens) if block.q is None else list(block.q.to(p.device))
-        return verify_tree_sampled(tokens, block.parents, q, p, gen), argmax
-    draft = block.tokens.to(logits.device)
-    if sampling.greedy:
-        return verify_chain_greedy(draft, argmax), argmax
-    p = logits_to_probs(logits, sampling)  # [k+1, V]
-    q = None if block.q is None else block.q.to(p.device)
-    return verify_chain_sampled(draft, q, p, gen), argmax
-
-
 def _cut(tokens: list[int], eos: set[int], limit: int) -> tuple[list[int], bool]:
     """Emitted tokens up to and including the first EOS, at most ``limit``; and whether EOS was hit."""
     for i, t in enumerate(tokens[:limit]):
@@ -123,12 +104,14 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     stop_on_eos: bool = True,
     progress: bool = False,
+    verifier: Verifier = EXACT,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch size 1).
 
     With ``drafter=None`` this is plain autoregressive decoding. Output is distributed exactly as
     the target's (greedy: identical tokens). ``eos_token_id`` defaults to the target's EOS ids;
-    ``generator`` (or ``seed``) is the only source of randomness.
+    ``generator`` (or ``seed``) is the only source of randomness. ``verifier`` holds the
+    acceptance rules (``cascade.verify``; the exact ones by default).
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     prompt = _prompt_ids(input_ids)
@@ -140,6 +123,7 @@ def generate(
     gen = generator if generator is not None else make_generator(seed, target.device)
     if drafter is not None:
         drafter.check_compatible(target)
+    hidden_layer = drafter.hidden_layer if drafter is not None else None
 
     device = target.device
     t_start = _now(device)
@@ -147,55 +131,55 @@ def generate(
     if drafter is not None:
         drafter.bind(target, cache)
         drafter.reset(sampling, gen)
+    # 0. prefill: the target's cache gets all but the last prompt token; then the drafter catches
+    #    up on the prompt (its own cache, or the target's hidden states it asked for)
+    hidden = None
     if len(prompt) > 1:
-        target.forward(prompt[:-1], cache, keep_last=1)  # prefill all but the last token
-    prefill_time = _now(device) - t_start
+        out = target.forward(prompt[:-1], cache, keep_last=1, return_hidden=hidden_layer)
+        hidden = out[1] if hidden_layer is not None else None
+    t_prefilled = _now(device)
+    if drafter is not None:
+        drafter.prefill(prompt, hidden=hidden)
+    t_ready = _now(device)
 
     seq, new, steps = list(prompt), [], []
     stop_reason = "max_new_tokens"
     bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not progress, leave=False)
     while len(new) < max_new_tokens:
         t0 = _now(device)
-        # 1. propose: never more than can still be emitted (one slot is kept for the bonus token)
+        # 1. propose: never deeper than can still be emitted (one slot is kept for the bonus token)
         budget = max_new_tokens - len(new) - 1
         block = drafter.propose(seq, budget) if drafter is not None and budget > 0 else DraftBlock.empty()
         if block.depth > budget:
             raise RuntimeError(f"drafter {block.drafter!r} proposed {block.depth} tokens deep with a budget of {budget}")
         draft = block.tokens.tolist()
         t1 = _now(device)
-        # 2. verify: one target forward over [last] + draft -> logits [k+1, V]; a tree gets its
-        #    positions (prefix length + depth) and tree-attention mask
+        # 2. verify: one target forward over [last] + draft -> logits [n+1, V] (a tree with its
+        #    positions and tree-attention mask)
         past = len(seq) - 1
-        if block.parents is None:
-            logits = target.forward([seq[-1]] + draft, cache)
-        else:
-            mask = tree_mask(block.parents, past, target.dtype).to(device)
-            logits = target.forward([seq[-1]] + draft, cache, position_ids=tree_positions(block.parents, past), attention_mask=mask)
+        out = verify_forward(target, cache, seq[-1], block, return_hidden=hidden_layer)
+        logits, hidden = out if hidden_layer is not None else (out, None)
         t2 = _now(device)
         # 3. accept
-        result, argmax = _verify(block, logits, sampling, gen)
-        # 4. commit: the cache keeps the sequence plus the accepted draft tokens (for a tree: the
-        #    accepted path, compacted in place of the whole tree)
-        if block.parents is None:
-            target.crop(cache, len(seq) + result.num_accepted)
-            accepted = draft[: result.num_accepted]
-        else:
-            compact_cache(cache, past, [0] + [i + 1 for i in result.path])
-            accepted = [draft[i] for i in result.path]
-            result.verify_time_s = t2 - t1
-            block.info = {**block.info, "accepted_path": result.path}
+        result = verifier.accept(block, logits, sampling, gen)
+        # 4. commit: the cache keeps the sequence plus the accepted path (compacted in place)
+        keep = commit(target, cache, past, result)
+        accepted = [draft[i] for i in result.path]
         emitted, hit_eos = _cut(accepted + [result.next_token], eos, max_new_tokens - len(new))
         seq += emitted
         new += emitted
-        # 5. observe
+        # 5. observe: the drafter learns what was accepted, the forward's time and (if it asked)
+        #    the target's hidden states at the committed positions
         if drafter is not None:
-            drafter.observe(seq, result)
+            drafter.observe(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep])
         t3 = _now(device)
         steps.append(
             StepRecord(
                 step=len(steps), drafter=block.drafter, drafted=block.k, accepted=result.num_accepted,
-                emitted=len(emitted), draft_tokens=draft, emitted_tokens=emitted, target_argmax=argmax.tolist(),
-                draft_time_s=t1 - t0, target_time_s=t2 - t1, step_time_s=t3 - t0, info=block.info,
+                emitted=len(emitted), draft_tokens=draft, emitted_tokens=emitted,
+                target_argmax=logits.argmax(-1).tolist(), draft_time_s=t1 - t0, target_time_s=t2 - t1,
+                step_time_s=t3 - t0, parents=list(block.parents), accepted_path=list(result.path), stop=block.stop,
+                cascade=block.cascade, segments=block.segments, tree=block.tree,
             )
         )
         bar.update(len(emitted))
@@ -203,4 +187,5 @@ def generate(
             stop_reason = "eos"
             break
     bar.close()
-    return Generation(new, len(prompt), steps, _now(device) - t_start, prefill_time, stop_reason, sampling)
+    return Generation(new, len(prompt), steps, _now(device) - t_start, t_prefilled - t_start, stop_reason, sampling,
+                      drafter_prefill_time_s=t_ready - t_prefilled)

@@ -11,7 +11,8 @@ Definitions (summed over all steps of all generations in a run, never averaged p
     drafter time per drafted token / target time per verification forward, per drafter.
     Drafter time includes its catch-up forwards on tokens it had not seen.
 ``tokens_per_s``
-    new tokens / total wall time (prefill included).
+    new tokens / total wall time (the target's and the drafter's prefill included; both are
+    also reported on their own: ``prefill_time_s``, ``drafter_prefill_time_s``).
 ``overhead_frac``
     share of step time spent outside drafter and target forwards (verification, bookkeeping).
 ``speedup``
@@ -19,7 +20,11 @@ Definitions (summed over all steps of all generations in a run, never averaged p
     same process on the same prompts (:func:`speedup`).
 ``tree_expected_tau``
     for token trees: 1 + the tree policy's own expected accepted tokens per step (the sum of its
-    estimated path acceptance over the nodes), averaged over steps; the prediction it makes.
+    estimated path acceptance over the nodes), averaged over steps; the expectation it acted on.
+``tree_acceptance``
+    for token trees: accepted path length / drafted nodes. Not comparable with a chain's
+    ``alpha`` (most nodes of a wide tree are siblings that cannot all be accepted), hence its own
+    name; ``alpha`` is None for tree methods.
 ``levels``
     for cascades, per inner level: ``alpha`` (accepted by the level above it / drafted) and
     ``c`` (its time per drafted token / target time per verification forward). The top level of
@@ -33,15 +38,12 @@ import json
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from cascade.theory import expected_tokens_per_position, predicted_speedup
-
-if TYPE_CHECKING:
-    from cascade.decode import Generation
+from cascade.types import LevelStats
 
 
-def summarize(generations: list["Generation"]) -> dict:
+def summarize(generations: list) -> dict:
+    """Run summary of ``cascade.decode.Generation`` objects (see the module docstring)."""
     steps = [s for g in generations for s in g.steps]
     new_tokens = sum(len(g.tokens) for g in generations)
     wall = sum(g.wall_time_s for g in generations)
@@ -58,16 +60,18 @@ def summarize(generations: list["Generation"]) -> dict:
             draft_time[s.drafter] += s.draft_time_s
     total_drafted = sum(drafted.values())
     levels = _level_stats(steps, per_forward)
-    tree_steps = [s for s in steps if "expected_accepted" in s.info]
+    tree_steps = [s for s in steps if s.tree is not None]
+    tree_nodes = sum(s.drafted for s in tree_steps)
     return {
-        "tree_expected_tau": 1 + sum(s.info["expected_accepted"] for s in tree_steps) / len(tree_steps) if tree_steps else None,
-        "tree_nodes_per_step": sum(s.drafted for s in tree_steps) / len(tree_steps) if tree_steps else None,
+        "tree_expected_tau": 1 + sum(s.tree.expected_accepted for s in tree_steps) / len(tree_steps) if tree_steps else None,
+        "tree_nodes_per_step": tree_nodes / len(tree_steps) if tree_steps else None,
+        "tree_acceptance": sum(s.accepted for s in tree_steps) / tree_nodes if tree_nodes else None,
         "alpha_by_depth": alpha_by_depth(steps),
         "num_generations": len(generations),
         "new_tokens": new_tokens,
         "target_forwards": len(steps),
         "tau": sum(s.emitted for s in steps) / len(steps) if steps else float("nan"),
-        "alpha": sum(accepted.values()) / total_drafted if total_drafted else None,
+        "alpha": sum(accepted.values()) / total_drafted if total_drafted and not tree_steps else None,
         "alpha_by_drafter": {d: accepted[d] / drafted[d] for d in drafted},
         "c_by_drafter": {d: (draft_time[d] / drafted[d]) / per_forward for d in drafted},
         "drafted_per_step": total_drafted / len(steps) if steps else 0.0,
@@ -75,6 +79,7 @@ def summarize(generations: list["Generation"]) -> dict:
         "tokens_per_s": new_tokens / wall if wall > 0 else float("nan"),
         "wall_time_s": wall,
         "prefill_time_s": sum(g.prefill_time_s for g in generations),
+        "drafter_prefill_time_s": sum(g.drafter_prefill_time_s for g in generations),
         "target_time_per_forward_s": per_forward,
         "draft_frac": sum(s.draft_time_s for s in steps) / step_time if step_time else 0.0,
         "overhead_frac": sum(s.overhead_time_s for s in steps) / step_time if step_time else 0.0,
@@ -84,22 +89,15 @@ def summarize(generations: list["Generation"]) -> dict:
 
 def alpha_by_depth(steps) -> list[float]:
     """Conditional acceptance rate at each draft depth: accepted at depth i / steps that reached
-    depth i (drafted more than i tokens and accepted the first i). With these rates
-    ``theory.expected_tokens_per_position`` needs no independence assumption.
-
-    For a token tree, depth i is reached when the accepted path has i tokens and its last node
-    (or the root) has children: the tree's acceptance at that depth, over all its branches."""
+    depth i. Depth i is reached when the accepted path has i tokens and its last node (or the
+    root) has children; for a chain that is: drafted more than i tokens and accepted the first i.
+    For a tree it is the tree's acceptance at that depth, over all its branches. With these rates
+    ``theory.expected_tokens_per_position`` needs no independence assumption."""
     reached: dict[int, int] = defaultdict(int)
     kept: dict[int, int] = defaultdict(int)
     for s in steps:
-        parents = s.info.get("parents")
-        if not parents or "accepted_path" not in s.info:
-            for i in range(min(s.drafted, s.accepted + 1)):
-                reached[i] += 1
-                kept[i] += i < s.accepted
-            continue
-        has_children = set(parents)
-        path = [-1] + s.info["accepted_path"]
+        has_children = set(s.parents)
+        path = [-1] + s.accepted_path
         for i in range(s.accepted + 1):
             if path[i] in has_children:
                 reached[i] += 1
@@ -108,30 +106,22 @@ def alpha_by_depth(steps) -> list[float]:
 
 
 def _level_stats(steps, per_forward: float) -> dict:
-    """Aggregate the per-level records cascades put in ``StepRecord.info``."""
-    acc: dict[str, dict] = {}
-
-    def add(name, drafted, accepted, time_s, rounds=0):
-        a = acc.setdefault(name, {"drafted": 0, "accepted": 0, "time_s": 0.0, "rounds": 0})
-        a["drafted"] += drafted
-        a["accepted"] += accepted
-        a["time_s"] += time_s
-        a["rounds"] += rounds
-
+    """Aggregate the per-level records cascades put in their steps (``cascade``, ``segments``)."""
+    acc: dict[str, LevelStats] = defaultdict(LevelStats)
     for s in steps:
-        if "top" in s.info:  # vertical cascade: its top level is judged by the target
-            add(s.info["top"], s.drafted, s.accepted, s.info["top_time_s"])
-        for name, lv in s.info.get("levels", {}).items():
-            add(name, lv["drafted"], lv["accepted"], lv["time_s"], lv.get("rounds", 0))
-        for seg in s.info.get("segments", []):  # horizontal cascade: the target judges each span
-            kept = min(max(s.accepted - seg["start"], 0), seg["len"])
-            add(seg["drafter"], seg["len"], kept, seg["time_s"])
+        if s.cascade is not None:  # vertical cascade: its top level is judged by the target
+            acc[s.cascade.top].add(LevelStats(s.drafted, s.accepted, s.cascade.top_time_s))
+            for name, lv in s.cascade.lower.items():
+                acc[name].add(lv)
+        for seg in s.segments:  # horizontal cascade: the target judges each span
+            kept = min(max(s.accepted - seg.start, 0), seg.length)
+            acc[seg.drafter].add(LevelStats(seg.length, kept, seg.time_s))
     return {
         name: {
-            "drafted": a["drafted"],
-            "rounds": a["rounds"],  # inner rounds in which this level drafted (vertical cascades)
-            "alpha": a["accepted"] / a["drafted"] if a["drafted"] else None,
-            "c": (a["time_s"] / a["drafted"]) / per_forward if a["drafted"] else None,
+            "drafted": a.drafted,
+            "rounds": a.rounds,  # inner rounds in which this level drafted (vertical cascades)
+            "alpha": a.accepted / a.drafted if a.drafted else None,
+            "c": (a.time_s / a.drafted) / per_forward if a.drafted else None,
         }
         for name, a in acc.items()
     }

@@ -59,6 +59,15 @@ class Job:
     params: dict
     _steps: list[dict] | None = field(default=None, repr=False)
 
+    def drafter(self, method: str) -> dict:
+        """What ``method`` is (``Drafter.describe`` as written by the run: kind, name, budget, stop,
+        parts)."""
+        info = self.summary["methods"][method].get("drafter")
+        if info is None:
+            raise GatherError(f"{self.dir / 'summary.json'}: method {method!r} has no 'drafter' record "
+                              "(written by an older cascade: rerun it)")
+        return info
+
     def steps(self) -> list[dict]:
         """The per-step records (``steps.jsonl``), read once."""
         if self._steps is None:

@@ -7,8 +7,10 @@ with the autoregressive baseline and with the method, interleaved prompt by prom
 process (after a warm-up), and writes into the output directory:
 
 ``summary.json``
-    config echo, environment, and per method (keyed by its name): ``tau``, ``alpha``, ``c``,
-    ``tokens_per_s``, ``speedup`` against the baseline, and the generated token ids per prompt.
+    config echo, environment, and per method (keyed by its name): ``drafter`` (what the method
+    is: kind, draft budget, stop policy and the drafters inside, from ``Drafter.describe``),
+    ``tau``, ``alpha`` (chains) or ``tree_acceptance`` (trees), ``c``, ``tokens_per_s``,
+    ``speedup`` against the baseline, and the generated token ids per prompt.
 ``steps.jsonl``
     one line per decoding step (method, prompt index, and the fields of ``StepRecord``).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import platform
 import subprocess
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 
@@ -110,11 +113,14 @@ def decode_interleaved(target, methods: dict, prompts: list[list[int]], max_new_
 
 
 def _table(results: dict) -> str:
-    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>6s} {'tok/s':>8s} {'speedup':>8s} {'predicted':>9s}"]
+    """alpha: a chain's acceptance; a tree's (accepted path / nodes) is shown as `tree 0.xxx`."""
+    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {'tok/s':>8s} {'speedup':>8s} {'predicted':>9s}"]
     for name, r in results.items():
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.3f}"
+        if r["tree_acceptance"] is not None:
+            alpha = f"tree {r['tree_acceptance']:.3f}"
         pred = "-" if r["predicted_speedup_per_depth"] is None else f"{r['predicted_speedup_per_depth']:.2f}x"
-        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>6s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x {pred:>9s}")
+        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>10s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x {pred:>9s}")
         for level, lv in r["levels"].items():
             if lv["alpha"] is not None:
                 lines.append(f"  level {level}: alpha {lv['alpha']:.3f}, c {lv['c']:.3f}")
@@ -146,9 +152,14 @@ def run(cfg: DictConfig) -> dict:
     results = {}
     for name, g in gens.items():
         s = summarize(g)
+        drafter = methods[name]
+        info = asdict(drafter.describe()) if drafter is not None else {"kind": "autoregressive", "name": name, "budget": 0,
+                                                                        "stop": None, "parts": []}
         results[name] = {
+            "drafter": info,
             "tau": s["tau"],
             "alpha": s["alpha"],
+            "tree_acceptance": s["tree_acceptance"],
             "c": s["c_by_drafter"],
             "alpha_by_drafter": s["alpha_by_drafter"],
             "tokens_per_s": s["tokens_per_s"],

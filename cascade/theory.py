@@ -1,6 +1,6 @@
 """Closed forms for speculative decoding (Leviathan et al. 2023; CS Drafting, Chen et al. 2023).
 
-Notation as in ``cascade.rejection``: α acceptance rate, γ draft length, c = drafter step time /
+Notation as in ``cascade.verify``: α acceptance rate, γ draft length, c = drafter step time /
 target step time. Pure functions on floats.
 
 Where the independence assumption enters: the formulas with a single α assume every draft

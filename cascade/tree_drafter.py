@@ -28,8 +28,10 @@ Policies:
     growing where a bigger tree costs more in verification than it is expected to return
     (the seed's rule: stop a branch when α̂_d / ĉ_d * prod α̂_j < t_min).
 
-Estimates (``cascade.estimators``) are updated from every verification and logged per step in
-``info["estimates"]``.
+Estimates (``cascade.estimators``) are updated from every verification (the judged nodes and the
+verification forward's time, both handed to ``observe``) and logged per step in the block's
+``TreeStats``. Each LM drafter's catch-up on the prompt happens in ``prefill``, outside the
+expansions, so no drafter cost estimate ever includes it.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ from cascade.drafters.lm_base import LMDrafter
 from cascade.estimators import AcceptanceTable, DrafterCost, VerifyCost
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs, sample
-from cascade.tree import ACCEPTED, REJECTED, TreeVerifyResult, path_to
-from cascade.types import DraftBlock, SamplingConfig
+from cascade.tree import path_to
+from cascade.types import ACCEPTED, REJECTED, DraftBlock, DrafterInfo, SamplingConfig, TreeStats, VerifyResult
 
 
 @dataclass
@@ -102,7 +104,29 @@ class TreeDrafter(Drafter):
         self.dcost = DrafterCost()
         self.vcost = VerifyCost()
         self._calibrated = False
-        self._fresh: set[int] = set()
+        self._last: list[_Node] = []
+        layers = {d.hidden_layer for d in self.drafters} - {None}
+        if len(layers) > 1:
+            raise ValueError(f"tree drafters need the target's hidden states at different layers {sorted(layers)}")
+        self.hidden_layer = layers.pop() if layers else None
+
+    @property
+    def kind(self) -> str:
+        return "static_tree" if isinstance(self.policy, StaticTreePolicy) else "dytc_tree"
+
+    @property
+    def budget(self) -> int:
+        """Most nodes per tree."""
+        if isinstance(self.policy, StaticTreePolicy):
+            total, level = 0, 1
+            for w in self.policy.widths:
+                level *= w
+                total += level
+            return total
+        return self.policy.max_nodes
+
+    def describe(self) -> DrafterInfo:
+        return DrafterInfo(self.kind, self.name, self.budget, parts=[d.describe() for d in self.drafters])
 
     # ---- protocol ---------------------------------------------------------------------------
     def check_compatible(self, target: CausalLM) -> None:
@@ -119,12 +143,12 @@ class TreeDrafter(Drafter):
         super().reset(sampling, generator)
         for d in self.drafters:
             d.reset(sampling, generator)
-        # A drafter's first call in a generation includes its catch-up over the prompt (an LM
-        # drafter's prefill): not a per-expansion cost, and a stale high estimate would keep the
-        # policy from ever calling that drafter again (measured: the 0.5B was never used). Skip it.
-        self._fresh = set(range(len(self.drafters)))
         if self.calibrate and not self._calibrated:
             self._calibrate()
+
+    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        for d in self.drafters:
+            d.prefill(prompt, hidden if d.hidden_layer is not None else None)
 
     def _calibrate(self) -> None:
         """Time target forwards of a few sizes on a scratch cache (fits Δverify before decoding)."""
@@ -178,10 +202,7 @@ class TreeDrafter(Drafter):
             block = d.propose(context, 1)
             entry = {"token": int(block.tokens[0]) if block.k else None,
                      "q": None if block.q is None or not block.k else block.q[0]}
-        if i in self._fresh:
-            self._fresh.discard(i)
-        else:
-            self.dcost.update(self.names[i], time.perf_counter() - t0)
+        self.dcost.update(self.names[i], time.perf_counter() - t0)
         return entry
 
     def _child(self, entry: dict, i: int, rank: int, taken: set[int]) -> tuple[int | None, torch.Tensor | None, int]:
@@ -248,19 +269,16 @@ class TreeDrafter(Drafter):
             q = torch.stack(rows)  # [n, V]
         self._last = nodes
         fit = self.vcost.fit()
-        info = {
-            "parents": parents,
-            "node_drafters": [self.names[n.drafter] for n in nodes],
-            "nodes": len(nodes),
-            "depth": max((n.depth for n in nodes), default=0),
-            "expected_accepted": round(sum(n.reach for n in nodes), 4),
-            "estimates": {
+        stats = TreeStats(
+            node_drafters=[self.names[n.drafter] for n in nodes],
+            expected_accepted=round(sum(n.reach for n in nodes), 4),
+            estimates={
                 "alpha": self.alpha.snapshot(),
                 "drafter_cost_s": {k: round(v, 6) for k, v in self.dcost.seconds.items()},
                 "verify_fit_s": None if fit is None else [round(fit[0], 6), round(fit[1], 6)],
             },
-        }
-        return DraftBlock(tokens, q, self.name, info, parents=parents if nodes else None)
+        )
+        return DraftBlock(tokens, q, self.name, parents=parents, tree=stats)
 
     def _grow_dynamic(self, nodes: list[_Node], add, next_rank: dict, budget: int) -> None:
         pol = self.policy
@@ -289,16 +307,16 @@ class TreeDrafter(Drafter):
                 return
             add(*best)
 
-    def observe(self, context: list[int], result) -> None:
+    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
+                hidden: torch.Tensor | None = None) -> None:
         """Update α̂ from the judged nodes and Δverify from the forward's time."""
-        nodes = getattr(self, "_last", [])
-        if isinstance(result, TreeVerifyResult):
-            for node, verdict in zip(nodes, result.judgements):
-                if verdict in (ACCEPTED, REJECTED):
-                    key = f"depth{node.depth}" if node.rank == 1 else f"rank{node.rank}"
-                    self.alpha.update(self.names[node.drafter], key, verdict == ACCEPTED)
-            if result.verify_time_s is not None:
-                self.vcost.update(len(nodes) + 1, result.verify_time_s)
+        nodes = self._last
+        for node, verdict in zip(nodes, result.judgements):
+            if verdict in (ACCEPTED, REJECTED):
+                key = f"depth{node.depth}" if node.rank == 1 else f"rank{node.rank}"
+                self.alpha.update(self.names[node.drafter], key, verdict == ACCEPTED)
+        if verify_time_s is not None:
+            self.vcost.update(len(nodes) + 1, verify_time_s)
         for d in self.drafters:
-            d.observe(context, result)
+            d.observe(context, result, verify_time_s, hidden if d.hidden_layer is not None else None)
         self._last = []

@@ -1,16 +1,21 @@
 """Typed records passed between the stages of a decoding step.
 
-Data flows one way: a drafter proposes a :class:`DraftBlock`, the verifier turns the
-target's distributions into a :class:`VerifyResult`, and the decode loop records a
-:class:`StepRecord`. Shapes are given in comments; ``V`` is the vocabulary size and
-``k`` the number of drafted tokens in the step.
+Data flows one way: a drafter proposes a :class:`DraftBlock` (a chain, or a token tree), the
+verifier (``cascade.verify``) turns the target's distributions into a :class:`VerifyResult`, and
+the decode loop records a :class:`StepRecord`. What a cascade or a tree drafter reports about
+its own work travels in typed fields (:class:`CascadeStats`, :class:`Segment`,
+:class:`TreeStats`), never in free-form dictionaries read by another module. Shapes are given in
+comments; ``V`` is the vocabulary size and ``n`` the number of drafted nodes in the step (``k``
+for a chain).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+from cascade.tree import chain_parents, depths_of, is_chain
 
 
 @dataclass(frozen=True)
@@ -38,64 +43,143 @@ class SamplingConfig:
 
 
 @dataclass
-class DraftBlock:
-    """Tokens a drafter proposes for the positions right after the context.
+class LevelStats:
+    """Work of one drafting level of a cascade, summed over the rounds of a step (or a run)."""
 
-    ``q`` holds, row by row, the distribution each token was *actually* sampled from (after
-    the run's temperature/top-k/top-p). ``q is None`` means the tokens were chosen
-    deterministically (argmax, n-gram lookup): the verifier then treats each ``q`` row as
-    one-hot on the drafted token, which is what keeps deterministic drafting lossless.
+    drafted: int = 0  # tokens it proposed
+    accepted: int = 0  # of those, kept by the level above it
+    time_s: float = 0.0  # its own time (a nested cascade: its top model's time only)
+    rounds: int = 0  # inner rounds in which it drafted
+
+    def add(self, other: "LevelStats") -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.time_s += other.time_s
+        self.rounds += other.rounds
+
+
+@dataclass
+class CascadeStats:
+    """What a vertical cascade reports about a draft: its top level (judged by the target) and
+    every lower level (judged by the level above it), by drafter name."""
+
+    top: str  # name of the top level
+    top_time_s: float  # the top level's own time in this draft
+    lower: dict[str, LevelStats] = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """Where one entry of a horizontal schedule put its tokens in a draft."""
+
+    drafter: str
+    start: int  # first draft position it filled
+    length: int  # positions it filled
+    time_s: float
+
+
+@dataclass
+class TreeStats:
+    """What a tree drafter reports about the tree it grew."""
+
+    node_drafters: list[str]  # [n] the drafter that proposed each node
+    expected_accepted: float  # the policy's own expectation of accepted nodes (sum of path reaches)
+    estimates: dict = field(default_factory=dict)  # the policy's α̂ / cost estimates (logged, JSON)
+
+
+@dataclass
+class DraftBlock:
+    """Tokens a drafter proposes below the last committed token: a chain or a token tree.
+
+    ``parents[i]`` is node i's parent (-1: a child of the last committed token; parents before
+    children; see ``cascade.tree``); a chain has ``[-1, 0, 1, ...]``, the default. ``q`` holds,
+    row by row, the distribution each token was *actually* sampled from (after the run's
+    temperature/top-k/top-p). ``q is None`` means every token was chosen deterministically
+    (argmax, n-gram lookup): the verifier then treats each row as one-hot on the drafted token,
+    which is what keeps deterministic drafting lossless.
     """
 
-    tokens: torch.Tensor  # [k] int64, on the target's device or CPU
-    q: torch.Tensor | None = None  # [k, V] float probabilities, or None (deterministic)
+    tokens: torch.Tensor  # [n] int64, on the target's device or CPU
+    q: torch.Tensor | None = None  # [n, V] float probabilities, or None (deterministic)
     drafter: str = ""  # name of the drafter that proposed the block
-    # Anything a drafter wants logged with the step (e.g. stop decisions); JSON-serialisable.
-    info: dict = field(default_factory=dict)
-    # A token tree instead of a chain: parents[i] is the index of node i's parent (-1: a child of
-    # the last committed token), parents before children; see cascade.tree. None: a chain.
-    parents: list[int] | None = None
+    parents: list[int] | None = None  # [n]; None is read as a chain
+    stop: list[dict] = field(default_factory=list)  # an LM drafter's stop-policy decisions
+    cascade: CascadeStats | None = None  # a vertical cascade's per-level work
+    segments: list[Segment] = field(default_factory=list)  # a horizontal schedule's spans
+    tree: TreeStats | None = None  # a tree drafter's statistics
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1:
-            raise ValueError(f"DraftBlock.tokens must be 1-D [k], got shape {tuple(self.tokens.shape)}")
+            raise ValueError(f"DraftBlock.tokens must be 1-D [n], got shape {tuple(self.tokens.shape)}")
         if self.q is not None and (self.q.dim() != 2 or self.q.shape[0] != self.tokens.shape[0]):
             raise ValueError(
-                f"DraftBlock.q must be [k, V] with k={self.tokens.shape[0]}, got {tuple(self.q.shape)}"
+                f"DraftBlock.q must be [n, V] with n={self.tokens.shape[0]}, got {tuple(self.q.shape)}"
             )
-        if self.parents is not None and len(self.parents) != self.tokens.shape[0]:
+        if self.parents is None:
+            self.parents = chain_parents(int(self.tokens.shape[0]))
+        elif len(self.parents) != self.tokens.shape[0]:
             raise ValueError(f"DraftBlock.parents has {len(self.parents)} entries for {self.tokens.shape[0]} tokens")
 
     @property
     def k(self) -> int:
+        """Number of drafted nodes (the draft length, for a chain)."""
         return int(self.tokens.shape[0])
+
+    @property
+    def is_chain(self) -> bool:
+        return is_chain(self.parents)
 
     @property
     def depth(self) -> int:
         """Length of the longest drafted path (k for a chain)."""
-        if self.parents is None:
-            return self.k
-        from cascade.tree import depths_of
-
-        return max(depths_of(self.parents), default=0)
+        return self.k if self.is_chain else max(depths_of(self.parents), default=0)
 
     @staticmethod
     def empty(drafter: str = "") -> "DraftBlock":
         return DraftBlock(tokens=torch.empty(0, dtype=torch.long), q=None, drafter=drafter)
 
 
+ACCEPTED, REJECTED, UNJUDGED = 1, 0, -1
+
+
+@dataclass
+class DrafterInfo:
+    """What a method is, written into every run summary (analysis reads it instead of guessing
+    from config keys or class names)."""
+
+    kind: str  # e.g. "small_lm", "ngram", "kangaroo", "vertical_cascade", "static_tree", "dytc_tree"
+    name: str
+    budget: int | None  # most drafted nodes per step (chain: k; a cascade level: per inner round)
+    stop: str | None = None  # an LM drafter's stop policy ("FixedK", "ConfidenceStop", ...)
+    parts: list["DrafterInfo"] = field(default_factory=list)  # the drafters it is built from, in order
+
+    @property
+    def chain(self) -> bool:
+        """A single drafter proposing chains (what trace replay and EWIF curves need)."""
+        return not self.parts
+
+    @property
+    def drafters(self) -> list[str]:
+        """Names of the single drafters inside (itself, for a single drafter)."""
+        return [n for p in self.parts for n in p.drafters] if self.parts else [self.name]
+
+
 @dataclass
 class VerifyResult:
     """Outcome of verifying one draft block against the target.
 
-    ``num_accepted`` draft tokens are kept; ``next_token`` is the recovered token (sampled from
-    ``norm(max(0, p - q))`` at the first rejection) or, when every draft token was kept, the
-    bonus token sampled from the target's distribution after the last one.
+    ``path`` holds the accepted nodes from the root down (a chain: ``0 .. num_accepted - 1``);
+    ``next_token`` is the recovered token (drawn from the residual at the first node whose
+    children were all rejected) or, below a leaf, the bonus token drawn from the target's
+    distribution there. ``judgements`` says, per node, whether the verifier accepted, rejected
+    or never reached it (what acceptance estimators learn from).
     """
 
     num_accepted: int
     next_token: int
-    all_accepted: bool  # True: next_token is the bonus token; False: it is the recovered token
+    all_accepted: bool  # True: next_token is the bonus token (the path ends at a leaf)
+    path: list[int] = field(default_factory=list)  # accepted node indices, root's child first
+    judgements: list[int] = field(default_factory=list)  # [n] ACCEPTED, REJECTED or UNJUDGED
 
     @property
     def emitted(self) -> int:
@@ -107,8 +191,8 @@ class StepRecord:
     """One decoding step (one target forward). Times are wall-clock seconds.
 
     ``emitted`` may be smaller than ``accepted + 1`` when EOS or ``max_new_tokens`` cut the
-    step short. ``target_argmax`` is the target's argmax at each drafted position and the one
-    after (``k + 1`` entries): with ``draft_tokens`` it lets a trace be replayed offline.
+    step short. ``target_argmax`` is the target's argmax at the root and at each drafted node
+    (``n + 1`` entries): with ``draft_tokens`` and ``parents`` it lets a trace be replayed offline.
     """
 
     step: int
@@ -122,7 +206,12 @@ class StepRecord:
     draft_time_s: float
     target_time_s: float
     step_time_s: float
-    info: dict = field(default_factory=dict)
+    parents: list[int] = field(default_factory=list)  # [n] the draft's shape (a chain: -1, 0, 1, ...)
+    accepted_path: list[int] = field(default_factory=list)  # accepted node indices
+    stop: list[dict] = field(default_factory=list)
+    cascade: CascadeStats | None = None
+    segments: list[Segment] = field(default_factory=list)
+    tree: TreeStats | None = None
 
     @property
     def overhead_time_s(self) -> float:
@@ -130,18 +219,7 @@ class StepRecord:
         return max(0.0, self.step_time_s - self.draft_time_s - self.target_time_s)
 
     def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "drafter": self.drafter,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "emitted": self.emitted,
-            "draft_tokens": self.draft_tokens,
-            "emitted_tokens": self.emitted_tokens,
-            "target_argmax": self.target_argmax,
-            "draft_time_s": self.draft_time_s,
-            "target_time_s": self.target_time_s,
-            "step_time_s": self.step_time_s,
-            "overhead_time_s": self.overhead_time_s,
-            "info": self.info,
-        }
+        """One JSON line of ``steps.jsonl``."""
+        row = asdict(self)
+        row["overhead_time_s"] = self.overhead_time_s
+        return row

@@ -31,6 +31,7 @@ from cascade.cascades import VerticalCascade
 from cascade.data import encode_prompt, load_prompts
 from cascade.drafters import LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter
 from cascade.metrics import speedup, summarize
+from cascade.tree import depths_of
 from cascade.tree_drafter import DynamicTreePolicy, StaticTreePolicy, TreeDrafter
 
 from bench_core import hf_generate  # experiments/ is on sys.path when a script here runs
@@ -105,9 +106,10 @@ def main() -> None:
         for name in gens:
             if name != "ar":
                 print(f"  {name} / hf_assisted: {rows[name]['tokens_per_s'] / tps:.2f}x")
-    traj = {name: [{"step": st.step, "prompt": pi, **{k: st.info.get(k) for k in ("nodes", "depth", "expected_accepted", "estimates")},
+    traj = {name: [{"step": st.step, "prompt": pi, "nodes": st.drafted, "depth": max(depths_of(st.parents), default=0),
+                    "expected_accepted": st.tree.expected_accepted, "estimates": st.tree.estimates,
                     "accepted": st.accepted, "target_time_s": st.target_time_s, "draft_time_s": st.draft_time_s}
-                   for pi, gen in enumerate(g) for st in gen.steps if "estimates" in st.info]
+                   for pi, gen in enumerate(g) for st in gen.steps if st.tree is not None]
             for name, g in gens.items() if name.startswith("dytc")}
     out = Path(args.trajectories)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from scipy.stats import chisquare
 from cascade import generate
 from cascade.sampling import logits_to_probs
 from cascade.types import SamplingConfig
+from cascade.verify import EXACT, Verifier
 
 LEVEL = 1e-3
 
@@ -28,7 +29,8 @@ def exact_joint(target, cfg: SamplingConfig, prompt: list[int]) -> np.ndarray:
     return joint
 
 
-def empirical_counts(target, drafter, cfg: SamplingConfig, prompt: list[int], n: int, seed: int = 1234) -> np.ndarray:
+def empirical_counts(target, drafter, cfg: SamplingConfig, prompt: list[int], n: int, seed: int = 1234,
+                     verifier: Verifier = EXACT) -> np.ndarray:
     """Alternates max_new_tokens=2 (one draft position, so the second token is often the bonus
     token) and 3 (two: accepted, or recovered at either position). Both are lossless, so the
     pooled counts follow the same joint distribution."""
@@ -38,7 +40,7 @@ def empirical_counts(target, drafter, cfg: SamplingConfig, prompt: list[int], n:
     for i in range(n):
         out = generate(
             target, prompt, drafter=drafter, max_new_tokens=2 + i % 2, temperature=cfg.temperature,
-            top_k=cfg.top_k, top_p=cfg.top_p, generator=gen, stop_on_eos=False,
+            top_k=cfg.top_k, top_p=cfg.top_p, generator=gen, stop_on_eos=False, verifier=verifier,
         )
         counts[out.tokens[0], out.tokens[1]] += 1
     return counts
@@ -59,8 +61,8 @@ def chi_square_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
     return float(chisquare(obs[keep], exp[keep]).pvalue)
 
 
-def lossless_pvalue(target, drafter, cfg: SamplingConfig, prompt: list[int], n: int) -> float:
+def lossless_pvalue(target, drafter, cfg: SamplingConfig, prompt: list[int], n: int, verifier: Verifier = EXACT) -> float:
     joint = exact_joint(target, cfg, prompt)
     # A near-deterministic joint (e.g. a tight top-p) would make the test unable to fail.
     assert (joint > 0.01).sum() >= 4, f"degenerate test setting {cfg}: {(joint > 0.01).sum()} likely cells"
-    return chi_square_pvalue(empirical_counts(target, drafter, cfg, prompt, n), joint)
+    return chi_square_pvalue(empirical_counts(target, drafter, cfg, prompt, n, verifier=verifier), joint)

@@ -30,11 +30,11 @@ def _run(out: Path, *overrides):
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """A fake multirun: quantized-self chains with k = 1, 2, 3 on the tiny debug models."""
+    """A fake multirun: layer-skip chains (exit 3 of the 4-layer target: an exact drafter) with k = 1, 2, 3 on the tiny debug models."""
     root = tmp_path_factory.mktemp("sweep")
     for i, k in enumerate((1, 2, 3)):
         job = root / f"{i}_k{k}"
-        _run(job, "+experiment=quantized_self", "debug=tiny", f"method.drafter.k={k}", "dataset.max_new_tokens=24",
+        _run(job, "+experiment=layer_skip", "debug=tiny", "models.exits.shallow=3", f"method.drafter.k={k}", "dataset.max_new_tokens=24",
              "dataset.num_prompts=3", f"output_dir={job}", "progress=false", "warmup=false")
     return root
 
@@ -44,8 +44,8 @@ def test_table_has_swept_parameters_and_reports_missing_jobs(sweep, tmp_path):
     shutil.copytree(sweep, root)
     (root / "3_k4" / ".hydra").mkdir(parents=True)  # a job that never finished
     df, incomplete = table(root)
-    assert len(df) == 6 and set(df["method"]) == {"ar", "quantized_self"}
-    assert sorted(df[df.method == "quantized_self"]["method.drafter.k"].astype(int)) == [1, 2, 3]
+    assert len(df) == 6 and set(df["method"]) == {"ar", "layer_skip"}
+    assert sorted(df[df.method == "layer_skip"]["method.drafter.k"].astype(int)) == [1, 2, 3]
     assert (df[df.method == "ar"]["speedup"] == 1.0).all()
     assert incomplete == [root / "3_k4"]
 
@@ -115,10 +115,10 @@ def test_replay_is_exact_where_the_record_allows(sweep):
     # the recorded draft length: every round is read from the record, tau is reproduced exactly
     pred = replay(trace, 3, samples=3)
     assert pred["exact_share"] == 1.0
-    assert pred["tau"] == pytest.approx(jobs["2_k3"].summary["methods"]["quantized_self"]["tau"], abs=1e-12)
+    assert pred["tau"] == pytest.approx(jobs["2_k3"].summary["methods"]["layer_skip"]["tau"], abs=1e-12)
     # shorter drafts: most rounds exact (the rest drawn from the record), tau close to real runs
     for name, gamma in (("1_k2", 2), ("0_k1", 1)):
-        real = jobs[name].summary["methods"]["quantized_self"]
+        real = jobs[name].summary["methods"]["layer_skip"]
         pred = replay(trace, gamma, samples=20)
         assert pred["exact_share"] > 0.6, name
         assert abs(pred["tau"] - real["tau"]) / real["tau"] < 0.1, (name, pred["tau"], real["tau"])

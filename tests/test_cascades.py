@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-import cascade.cascades as cascades_mod
 from cascade import generate
 from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade.drafters import NGramDrafter, SmallLMDrafter
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.types import SamplingConfig, VerifyResult
+from cascade.verify import Verifier
 from stat_utils import LEVEL, lossless_pvalue
 
 
@@ -59,7 +59,7 @@ def test_middle_level_output_is_its_own_greedy_output(tiny_target, lms):
     block = cascade.propose(context, 7)
     alone = generate(close, context, max_new_tokens=7, stop_on_eos=False)
     assert block.tokens.tolist() == alone.tokens and block.q is None
-    assert block.info["levels"][cascade.lower.name]["drafted"] > 0
+    assert block.cascade.lower[cascade.lower.name].drafted > 0
 
 
 def test_cascade_records_per_level_alpha_and_c(tiny_target, lms):
@@ -100,16 +100,15 @@ def test_cascade_sampling_is_lossless(name, small_models):
     assert lossless_pvalue(target, _sampled_cascades(mid, low, low2)[name](), cfg, PROMPT, N) > LEVEL
 
 
-def _lenient_inner_verify(draft, q, p, gen):
+def _lenient_inner_verify(tokens, parents, q, p, gen):
     """A lenient middle level: keeps every token its drafter proposed."""
-    k = int(draft.shape[0])
-    return VerifyResult(k, int(torch.multinomial(p[k], 1, generator=gen)), True)
+    k = len(tokens)
+    return VerifyResult(k, int(torch.multinomial(p[k], 1, generator=gen)), True, list(range(k)))
 
 
-def test_lenient_middle_level_fails(small_models, monkeypatch):
+def test_lenient_middle_level_fails(small_models):
     target, mid, low, _ = small_models
-    monkeypatch.setattr(cascades_mod, "verify_chain_sampled", _lenient_inner_verify)
-    cascade = VerticalCascade([SmallLMDrafter(mid, k=3), SmallLMDrafter(low, k=2)])
+    cascade = VerticalCascade([SmallLMDrafter(mid, k=3), SmallLMDrafter(low, k=2)], verifier=Verifier(sampled=_lenient_inner_verify))
     assert lossless_pvalue(target, cascade, SamplingConfig(temperature=1.0), PROMPT, N) < LEVEL
 
 

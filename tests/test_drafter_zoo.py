@@ -108,7 +108,8 @@ def test_cache_is_left_as_found(target, adapter):
         drafter.check_compatible(target)
         drafter.bind(target, cache)
         drafter.reset(SamplingConfig(), None)
-        target.forward(prompt[:-1], cache)  # the prefill, as generate() does it
+        _, hidden = target.forward(prompt[:-1], cache, return_hidden=2)  # the prefills, as generate() does them
+        drafter.prefill(prompt, hidden)
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         block = drafter.propose(prompt, 4)
         drafter.score(prompt + block.tokens.tolist()[:2], [1, 2])
@@ -180,7 +181,7 @@ def test_bad_inputs(target):
 def test_confidence_stop_decisions_are_logged_and_obeyed(target):
     out = generate(target, [1, 2, 3, 4], drafter=LayerSkipDrafter(2, k=6, stop=ConfidenceStop(1.0)), max_new_tokens=12, stop_on_eos=False)
     assert all(s.drafted <= 1 for s in out.steps)  # no token has probability >= 1
-    logged = [s.info["stop"] for s in out.steps if "stop" in s.info]  # not asked when the budget is 1
+    logged = [s.stop for s in out.steps if s.stop]  # not asked when the budget is 1
     assert len(logged) >= len(out.steps) - 1 and all(d == [{"pos": 0, "top_p": d[0]["top_p"], "go": False}] for d in logged)
     out = generate(target, [1, 2, 3, 4], drafter=LayerSkipDrafter(2, k=6, stop=ConfidenceStop(0.0)), max_new_tokens=20, stop_on_eos=False)
     assert max(s.drafted for s in out.steps) == 6
@@ -198,7 +199,7 @@ def test_thompson_posterior_learns_from_verification(target):
     out = generate(target, [1, 2, 3, 4], drafter=SmallLMDrafter(far, k=4, stop=ThompsonStop(0.9, prior=(1, 50))),
                    max_new_tokens=30, stop_on_eos=False)
     assert sum(s.drafted for s in out.steps) <= len(out.steps) + 2
-    assert all("theta" in d for s in out.steps for d in s.info.get("stop", []))
+    assert all("theta" in d for s in out.steps for d in s.stop)
 
 
 def test_thompson_is_reproducible_from_the_seed(target):
@@ -208,7 +209,7 @@ def test_thompson_is_reproducible_from_the_seed(target):
         for _ in range(2)
     ]
     assert runs[0].tokens == runs[1].tokens
-    assert [s.info for s in runs[0].steps] == [s.info for s in runs[1].steps]
+    assert [s.stop for s in runs[0].steps] == [s.stop for s in runs[1].steps]
 
 
 # ---- sampling losslessness ----------------------------------------------------------------------

@@ -4,13 +4,15 @@ import pytest
 
 from cascade.decode import Generation
 from cascade.metrics import alpha_by_depth, prediction, speedup, summarize
+from cascade.tree import chain_parents
 from cascade.types import StepRecord
 
 
 def _step(drafted, accepted, emitted=None, draft_t=0.1, target_t=1.0, drafter="d"):
     emitted = accepted + 1 if emitted is None else emitted
     return StepRecord(0, drafter, drafted, accepted, emitted, [0] * drafted, [0] * emitted, [0] * (drafted + 1),
-                      draft_t, target_t, draft_t + target_t + 0.01)
+                      draft_t, target_t, draft_t + target_t + 0.01, parents=chain_parents(drafted),
+                      accepted_path=list(range(accepted)))
 
 
 def test_summary_counts_the_bonus_token_and_sums_over_steps():

@@ -5,10 +5,10 @@ deliberately broken verifier that fails the same test."""
 import pytest
 import torch
 
-import cascade.decode as decode_mod
 from cascade.drafters import NGramDrafter, SmallLMDrafter
 from cascade.models import tiny_llama
 from cascade.types import SamplingConfig, VerifyResult
+from cascade.verify import Verifier
 from stat_utils import LEVEL, lossless_pvalue
 
 V = 6
@@ -37,24 +37,25 @@ def test_speculative_sampling_is_lossless(kind, setting, models):
     assert lossless_pvalue(target, make_drafter(kind, drafter_lm), SETTINGS[setting], PROMPT, N) > LEVEL
 
 
-def _accept_always(draft, q, p, gen):
-    k = int(draft.shape[0])
-    return VerifyResult(k, int(torch.multinomial(p[k], 1, generator=gen)), True)
+def _accept_always(tokens, parents, q, p, gen):
+    k = len(tokens)
+    return VerifyResult(k, int(torch.multinomial(p[k], 1, generator=gen)), True, list(range(k)))
 
 
-def _recover_from_p(draft, q, p, gen):
+def _recover_from_p(tokens, parents, q, p, gen):
     """Rejection is right, but the recovered token comes from p instead of norm(max(0, p-q))."""
-    k = int(draft.shape[0])
+    draft = torch.tensor(tokens)
+    k = len(tokens)
     qx = torch.ones(k, dtype=p.dtype) if q is None else q[torch.arange(k), draft]
     u = torch.rand(k, generator=gen, dtype=p.dtype)
     for i in range(k):
         if u[i] * qx[i] >= p[i, draft[i]]:
-            return VerifyResult(i, int(torch.multinomial(p[i], 1, generator=gen)), False)
-    return VerifyResult(k, int(torch.multinomial(p[k], 1, generator=gen)), True)
+            return VerifyResult(i, int(torch.multinomial(p[i], 1, generator=gen)), False, list(range(i)))
+    return VerifyResult(k, int(torch.multinomial(p[k], 1, generator=gen)), True, list(range(k)))
 
 
 @pytest.mark.parametrize("broken", [_accept_always, _recover_from_p])
-def test_broken_verifier_fails(broken, models, monkeypatch):
+def test_broken_verifier_fails(broken, models):
     target, drafter_lm = models
-    monkeypatch.setattr(decode_mod, "verify_chain_sampled", broken)
-    assert lossless_pvalue(target, SmallLMDrafter(drafter_lm, k=3), SETTINGS["temperature"], PROMPT, N) < LEVEL
+    verifier = Verifier(sampled=broken)
+    assert lossless_pvalue(target, SmallLMDrafter(drafter_lm, k=3), SETTINGS["temperature"], PROMPT, N, verifier=verifier) < LEVEL

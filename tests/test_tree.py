@@ -8,17 +8,14 @@ import random
 import pytest
 import torch
 
-import cascade.decode as decode_mod
 from cascade import generate
 from cascade.drafters import LayerSkipDrafter, NGramDrafter, SmallLMDrafter
 from cascade.estimators import AcceptanceTable, VerifyCost
 from cascade.models import perturbed_copy, tiny_llama
-from cascade.tree import (
-    ACCEPTED, REJECTED, UNJUDGED, TreeVerifyResult, children_of, compact_cache, depths_of, path_to, tree_mask,
-    tree_positions, verify_tree_greedy, verify_tree_sampled,
-)
+from cascade.tree import children_of, depths_of, path_to, tree_mask, tree_positions
 from cascade.tree_drafter import DynamicTreePolicy, StaticTreePolicy, TreeDrafter
-from cascade.types import SamplingConfig
+from cascade.types import ACCEPTED, REJECTED, UNJUDGED, SamplingConfig, VerifyResult
+from cascade.verify import Verifier, accept_greedy, accept_sampled
 from stat_utils import LEVEL, lossless_pvalue
 
 
@@ -76,7 +73,7 @@ def test_compaction_equals_a_cache_of_the_accepted_path(tiny_target):
     past = len(prefix) - 1
     tiny_target.forward([prefix[-1]] + tokens, cache, position_ids=tree_positions(parents, past),
                         attention_mask=tree_mask(parents, past, tiny_target.dtype))
-    compact_cache(cache, past, [0] + [i + 1 for i in accepted])
+    tiny_target.compact(cache, past, [0] + [i + 1 for i in accepted])
     seq = prefix + [tokens[i] for i in accepted]
     fresh = tiny_target.new_cache()
     tiny_target.forward(seq, fresh)
@@ -95,10 +92,10 @@ def test_compaction_equals_a_cache_of_the_accepted_path(tiny_target):
 def test_greedy_tree_verification_unit():
     tokens, parents = [5, 6, 7, 8], [-1, -1, 1, 1]  # root -> {5, 6}; 6 -> {7, 8}
     argmax = torch.tensor([6, 0, 8, 0, 3])  # root wants 6, node 1 (token 6) wants 8, node 3 (token 8) wants 3
-    r = verify_tree_greedy(tokens, parents, argmax)
+    r = accept_greedy(tokens, parents, argmax)
     assert (r.path, r.num_accepted, r.next_token, r.all_accepted) == ([1, 3], 2, 3, True)
     assert r.judgements == [REJECTED, ACCEPTED, REJECTED, ACCEPTED]
-    r = verify_tree_greedy(tokens, parents, torch.tensor([9, 0, 0, 0, 0]))
+    r = accept_greedy(tokens, parents, torch.tensor([9, 0, 0, 0, 0]))
     assert (r.path, r.next_token, r.all_accepted, r.judgements) == ([], 9, False, [REJECTED, REJECTED, UNJUDGED, UNJUDGED])
 
 
@@ -112,10 +109,11 @@ def test_sampled_tree_verification_single_step_distribution():
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(V)
     n = 15000
+    one_hot = torch.nn.functional.one_hot(torch.tensor(3), V).to(p)
     for _ in range(n):
         x1 = int(torch.multinomial(q1, 1, generator=gen))
         x3 = int(torch.multinomial(q2, 1, generator=gen))
-        r = verify_tree_sampled([x1, 3, x3], [-1, -1, -1], [q1, None, q2], torch.stack([p, p, p, p]), gen)
+        r = accept_sampled([x1, 3, x3], [-1, -1, -1], torch.stack([q1, one_hot, q2]), torch.stack([p, p, p, p]), gen)
         token = r.next_token if r.num_accepted == 0 else [x1, 3, x3][r.path[0]]
         counts[token] += 1
     tv = 0.5 * (counts / n - p.float()).abs().sum()
@@ -149,7 +147,7 @@ def test_tree_greedy_equals_autoregressive(name, tiny_target, tiny_close_drafter
             assert sp.tokens == ar.tokens, (name, prompt, max_new)
             accepted += sum(s.accepted for s in sp.steps)
     assert accepted > 0
-    assert any(s.info.get("nodes", 0) > s.info.get("depth", 0) for s in sp.steps) or name == "static_chain"
+    assert any(s.drafted > max(depths_of(s.parents), default=0) for s in sp.steps) or name == "static_chain"
 
 
 def test_dynamic_policy_logs_estimates_and_learns(tiny_target, tiny_close_drafter, tiny_far_drafter):
@@ -157,15 +155,15 @@ def test_dynamic_policy_logs_estimates_and_learns(tiny_target, tiny_close_drafte
                           DynamicTreePolicy(t_min=0.3, max_nodes=12), calibrate=True)
     for seed in range(3):
         out = generate(tiny_target, [1, 2, 3, seed], drafter=drafter, max_new_tokens=30, stop_on_eos=False)
-    logged = [s.info for s in out.steps if "estimates" in s.info]  # the last step has no budget to draft
+    logged = [s.tree for s in out.steps if s.tree is not None]  # the last step has no budget to draft
     assert len(logged) >= len(out.steps) - 1
-    est = logged[-1]["estimates"]
+    est = logged[-1].estimates
     assert est["verify_fit_s"] is not None and est["drafter_cost_s"]
     close = drafter.alpha.mean(drafter.names[0], "depth1")
     far = drafter.alpha.mean(drafter.names[1], "depth1")
     assert close > far
     # the policy spends its nodes on the better drafter
-    per = [d for info in logged for d in info["node_drafters"]]
+    per = [d for stats in logged for d in stats.node_drafters]
     assert per.count(drafter.names[0]) >= per.count(drafter.names[1])
 
 
@@ -176,7 +174,7 @@ def test_censoring_unjudged_nodes_are_not_failures():
     from cascade.tree_drafter import _Node
 
     drafter._last = [_Node(1, -1, 1, 0, 1, None, 1.0), _Node(2, 0, 2, 0, 1, None, 1.0), _Node(3, 1, 3, 0, 1, None, 1.0)]
-    drafter.observe([0], TreeVerifyResult(0, 9, False, [], [REJECTED, UNJUDGED, UNJUDGED]))
+    drafter.observe([0], VerifyResult(0, 9, False, [], [REJECTED, UNJUDGED, UNJUDGED]))
     assert table.get(drafter.names[0], "depth1").n == 1
     assert not table.seen(drafter.names[0], "depth2") and not table.seen(drafter.names[0], "depth3")
 
@@ -239,21 +237,20 @@ def _no_residual_update(tokens, parents, q, p, generator):
     while True:
         nxt = None
         for c in kids[j]:
-            qx = 1.0 if q[c] is None else float(q[c][tokens[c]])
+            qx = 1.0 if q is None else float(q[c][tokens[c]])
             if float(torch.rand((), generator=generator, dtype=torch.float64)) * qx < float(p[j][tokens[c]]):
                 nxt = c
                 break
         if nxt is None:
-            return TreeVerifyResult(len(path), int(torch.multinomial(p[j], 1, generator=generator)), not kids[j], path, judgements)
+            return VerifyResult(len(path), int(torch.multinomial(p[j], 1, generator=generator)), not kids[j], path, judgements)
         path.append(nxt)
         j = nxt + 1
 
 
-def test_wrong_residual_update_fails(small_models, monkeypatch):
+def test_wrong_residual_update_fails(small_models):
     target, drafter_lm = small_models
-    monkeypatch.setattr(decode_mod, "verify_tree_sampled", _no_residual_update)
     drafter = TreeDrafter([SmallLMDrafter(drafter_lm)], StaticTreePolicy((3, 2)))
-    assert lossless_pvalue(target, drafter, SETTING, PROMPT, N) < LEVEL
+    assert lossless_pvalue(target, drafter, SETTING, PROMPT, N, verifier=Verifier(sampled=_no_residual_update)) < LEVEL
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------

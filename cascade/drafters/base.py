@@ -1,22 +1,26 @@
 """The drafter protocol.
 
-A drafter proposes tokens for the positions after a context; the decode loop verifies them with
-the target. Lifecycle per generation::
+A drafter proposes tokens (a chain, or a token tree) for the positions after a context; the
+decode loop verifies them with the target. Lifecycle per generation::
 
     drafter.check_compatible(target)       # refuses a drafter whose vocabulary differs
     drafter.bind(target, cache)            # the target's KV cache for this generation
     drafter.reset(sampling, generator)     # new generation: drop state, take the run's settings
+    drafter.prefill(prompt, hidden)        # catch up on the prompt (timed beside the target's prefill)
     loop:
-        block = drafter.propose(context, budget)   # at most `budget` tokens
+        block = drafter.propose(context, budget)   # at most `budget` tokens deep
         ...target verifies...
-        drafter.observe(context_after, result)     # what the target accepted
+        drafter.observe(context_after, result, verify_time_s, hidden)   # what the target accepted
 
 ``context`` is the full token list (prompt + generated so far). A drafter with a KV cache keeps
 it in sync with the accepted prefix (see ``SmallLMDrafter``). A self-drafting drafter (layer
 skip) works on the target's own cache, given by ``bind``: it may append draft-time entries but
-must remove them before it returns, so the target always finds its cache as it left it. A deterministic drafter returns
-``q=None``; one that samples returns the exact distributions it sampled from, processed with
-the run's ``SamplingConfig``.
+must remove them before it returns, so the target always finds its cache as it left it. A
+drafter that needs the target's hidden states after some layer (Kangaroo's adapter) names that
+layer in ``hidden_layer``; the loop then hands it those states for the prompt (``prefill``) and
+for the positions each step commits (``observe``). A deterministic drafter returns ``q=None``;
+one that samples returns the exact distributions it sampled from, processed with the run's
+``SamplingConfig``.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ from abc import ABC, abstractmethod
 import torch
 
 from cascade.models.lm import CausalLM
-from cascade.types import DraftBlock, SamplingConfig, VerifyResult
+from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, VerifyResult
 
 
 class Drafter(ABC):
     name: str = "drafter"
+    kind: str = "drafter"  # what kind of method this is, written into run summaries
+
+    # The target layer whose output hidden states this drafter needs (None: none).
+    hidden_layer: int | None = None
 
     def check_compatible(self, target: CausalLM) -> None:
         """Raise ValueError when this drafter cannot draft for ``target`` (e.g. vocabulary)."""
@@ -44,10 +52,26 @@ class Drafter(ABC):
         self.sampling = sampling
         self.generator = generator
 
+    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Catch up on the prompt before the first proposal (an LM drafter fills its cache).
+        ``hidden``: [len(prompt) - 1, H] the target's states at ``hidden_layer`` (when asked for)."""
+
     @abstractmethod
     def propose(self, context: list[int], budget: int) -> DraftBlock:
-        """Propose at most ``budget`` (>= 1) tokens following ``context``."""
+        """Propose at most ``budget`` (>= 1) tokens deep following ``context``."""
 
-    def observe(self, context: list[int], result: VerifyResult) -> None:
+    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
+                hidden: torch.Tensor | None = None) -> None:
         """Told the verification result; ``context`` now ends with the accepted tokens and the
-        recovered/bonus token."""
+        recovered/bonus token. ``verify_time_s``: the target forward's time (None when the
+        verifier is a cascade level). ``hidden``: [m, H] the target's states at ``hidden_layer``
+        for the m positions this step committed (the last root and the accepted path)."""
+
+    @property
+    def budget(self) -> int | None:
+        """Most tokens one proposal may hold (None: unbounded or not fixed)."""
+        return getattr(self, "k", None)
+
+    def describe(self) -> DrafterInfo:
+        """Kind, draft budget and the drafters inside, for run summaries."""
+        return DrafterInfo(kind=self.kind, name=self.name, budget=self.budget)

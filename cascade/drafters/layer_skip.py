@@ -11,9 +11,12 @@ below the number of layers).
 
 With ``adapter`` (an ``ExitAdapter``, Kangaroo), the exit's hidden states go through one extra
 attention layer and norm before the LM head. The adapter's own small KV cache needs the exit
-hidden states of every committed position; they are captured from the target's own forwards
-(a forward hook on layer ``exit_layer - 1``), so the adapter needs no prefill of the shallow
-layers either. The capture assumes chain verification (contiguous positions).
+hidden states of every committed position; the drafter asks the decode loop for them
+(``hidden_layer``), which reads them from the target's own forwards (``CausalLM.forward(...,
+return_hidden=exit_layer)``): the prompt's at prefill, the committed path's after each
+verification, in tree order for a tree. So the adapter needs no prefill of the shallow layers,
+and works inside token trees. It cannot be a lower level of a vertical cascade: the level above
+it is not the target, so nobody hands it the target's exit states (refused with an error).
 """
 
 from __future__ import annotations
@@ -49,13 +52,16 @@ class LayerSkipDrafter(LMDrafter):
         self.exit_layer = exit_layer
         self._adapter_spec = adapter
         self.adapter: ExitAdapter | None = adapter if isinstance(adapter, ExitAdapter) else None
-        kind = "kangaroo" if adapter is not None else "layer_skip"
-        self.name = name or f"{kind}(exit={exit_layer})"
+        self.kind = "kangaroo" if adapter is not None else "layer_skip"
+        self.name = name or f"{self.kind}(exit={exit_layer})"
         self.model: CausalLM | None = None
         self.cache = None
-        self._hook = None
-        self._drafting = False
         self.reset(SamplingConfig(), None)
+
+    @property
+    def hidden_layer(self) -> int | None:
+        """The adapter reads the target's hidden states after ``exit_layer`` layers."""
+        return self.exit_layer if self._adapter_spec is not None else None
 
     # ---- binding to the target ----------------------------------------------------------
     def check_compatible(self, target: CausalLM) -> None:
@@ -74,31 +80,24 @@ class LayerSkipDrafter(LMDrafter):
         if self.model is not target:
             self.check_compatible(target)
         self.cache = cache
-        if self.adapter is not None and self._hook is None:
-            layer = decoder_parts(target).layers[self.exit_layer - 1]
-            self._hook = layer.register_forward_hook(self._capture, with_kwargs=True)
-
-    def close(self) -> None:
-        """Remove the capture hook from the target (adapter drafters)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
 
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
-        self._hidden = None  # [T, H] exit hidden states of positions 0..T-1 (adapter only)
+        self._hidden = None  # [T, H] exit hidden states of the committed positions 0..T-1 (adapter only)
         self._adapter_cache = self.adapter.new_cache() if self.adapter is not None else None
+        self._committed_len: int | None = None  # cache length when the current draft started
 
-    def _capture(self, module, args, kwargs, output) -> None:
-        """Forward hook on layer exit_layer - 1: keep the target's exit hidden states."""
-        if self._drafting or self.cache is None:
-            return
-        hidden = (output[0] if isinstance(output, tuple) else output)[0].detach()  # [n, H]
-        start = int(kwargs["position_ids"].reshape(-1)[0])
-        keep = self._hidden[:start] if self._hidden is not None else hidden[:0]
-        if keep.shape[0] != start:
-            return  # not a contiguous continuation (another cache): ignore
-        self._hidden = torch.cat([keep, hidden])
+    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Nothing to compute: the target's prefill filled the shared cache. An adapter keeps the
+        prompt's exit hidden states (``hidden``: [len(prompt) - 1, H])."""
+        if self.adapter is not None:
+            self._hidden = hidden
+
+    def observe(self, context: list[int], result, verify_time_s: float | None = None,
+                hidden: torch.Tensor | None = None) -> None:
+        super().observe(context, result, verify_time_s, hidden)
+        if self.adapter is not None and hidden is not None:  # [m, H] the positions just committed
+            self._hidden = hidden if self._hidden is None else torch.cat([self._hidden, hidden])
 
     def sync(self, context: list[int]) -> int:
         return self._committed()  # the cache is always left at the committed prefix
@@ -112,11 +111,19 @@ class LayerSkipDrafter(LMDrafter):
         if done > committed:
             self.adapter.crop(self._adapter_cache, committed)
         elif done < committed:
-            if self._hidden is None or self._hidden.shape[0] < committed:
-                raise RuntimeError("the adapter lacks exit hidden states of the committed prefix (was the drafter bound?)")
+            have = 0 if self._hidden is None else self._hidden.shape[0]
+            if have < committed:
+                raise RuntimeError(
+                    f"{self.name} has the target's exit hidden states of {have} of {committed} committed positions: "
+                    "a Kangaroo adapter must draft directly for the target (alone, in a tree or a horizontal "
+                    "schedule), not as the lower level of a vertical cascade"
+                )
             self.adapter.extend(self.model, self._hidden[done:committed], torch.arange(done, committed), self._adapter_cache)
 
-    def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
+    def _run(self, context: list[int], extra: list[int] | tuple) -> torch.Tensor:
+        """Logits after ``context`` and each token of ``extra`` [len(extra) + 1, V]; leaves the
+        new positions in the first ``exit_layer`` layers (and the adapter's cache) until
+        ``_end_draft``."""
         if self.cache is None:
             raise RuntimeError(f"{self.name} is not bound to a target cache: use it through cascade.generate")
         self._committed_len = p = self._committed()
@@ -125,44 +132,40 @@ class LayerSkipDrafter(LMDrafter):
         if self.adapter is not None:
             self._sync_adapter(p)
         new = context[p:] + list(extra)
-        was = self._drafting
-        self._drafting = True
+        hidden = run_layers(self.model, new, self.cache, self.exit_layer)  # [len(new), H]
+        keep = len(extra) + 1
+        if self.adapter is None:
+            return head_logits(self.model, hidden[-keep:])
+        # the adapter sees every new position: its own cache grows with them
+        return self.adapter.logits(self.model, hidden, torch.arange(p, p + len(new)), self._adapter_cache)[-keep:]
+
+    def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
         try:
-            hidden = run_layers(self.model, new, self.cache, self.exit_layer)  # [len(new), H]
-            keep = len(extra) + 1
-            if self.adapter is None:
-                logits = head_logits(self.model, hidden[-keep:])
-            else:  # the adapter sees every new position: its own cache grows with them
-                logits = self.adapter.logits(self.model, hidden, torch.arange(p, p + len(new)), self._adapter_cache)[-keep:]
+            return self._run(context, extra)  # [len(extra) + 1, V]
         finally:
-            self._drafting = was
-        if not self._in_draft:
             self._end_draft()
-        return logits  # [len(extra) + 1, V]
+
+    def _start_draft(self, context: list[int]) -> torch.Tensor:
+        return self._run(context, ())[-1]
 
     def _continue(self, token: int) -> torch.Tensor:
-        self._drafting = True
-        try:
-            position = torch.tensor([layer_lengths(self.cache)[0]])
-            hidden = run_layers(self.model, [token], self.cache, self.exit_layer)  # [1, H]
-            if self.adapter is None:
-                return head_logits(self.model, hidden)[-1]
-            return self.adapter.logits(self.model, hidden, position, self._adapter_cache)[-1]
-        finally:
-            self._drafting = False
+        position = torch.tensor([layer_lengths(self.cache)[0]])
+        hidden = run_layers(self.model, [token], self.cache, self.exit_layer)  # [1, H]
+        if self.adapter is None:
+            return head_logits(self.model, hidden)[-1]
+        return self.adapter.logits(self.model, hidden, position, self._adapter_cache)[-1]
 
     def _end_draft(self) -> None:
+        """Remove the draft-time positions (idempotent)."""
+        if self._committed_len is None:
+            return
         crop_layers(self.cache, self.exit_layer, self._committed_len)
-        if self.adapter is not None:
+        if self.adapter is not None and self.adapter.cache_len(self._adapter_cache) > self._committed_len:
             self.adapter.crop(self._adapter_cache, self._committed_len)
-
-    _in_draft = False
+        self._committed_len = None
 
     def propose(self, context: list[int], budget: int):
-        self._in_draft = True
         try:
             return super().propose(context, budget)
         finally:
-            self._in_draft = False
-            if self.cache is not None and hasattr(self, "_committed_len"):
-                self._end_draft()
+            self._end_draft()  # also when drafting raised: the target finds its cache as it left it

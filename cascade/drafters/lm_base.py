@@ -5,14 +5,16 @@ A subclass provides the model access:
     score(context, extra) -> logits [len(extra) + 1, V]
         the model's next-token logits after ``context`` and after each token of ``extra``
         (used to start a draft, and by a vertical cascade to verify the level below)
+    _start_draft(context) -> logits [V]
+        the first step of a draft (default: the last row of ``score``)
     _continue(token) -> logits [V]
-        one more draft token on top of the last ``score``/``_continue`` call
+        one more draft token on top of the last ``_start_draft``/``_continue`` call
     _end_draft()
         drop whatever drafting left behind that must not survive (shared-cache drafters)
 
 and this class drafts: up to ``k`` tokens, argmax or sampled (reporting the exact processed
 ``q``), ended early by a stop policy (``cascade.drafters.stopping``) whose decisions are logged
-in the block's ``info["stop"]`` and which learns from each verification result.
+in the block's ``stop`` field and which learns from each verification result.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from cascade.drafters.base import Drafter
 from cascade.drafters.stopping import FixedK, StopPolicy, make_stop_policy
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs, sample
-from cascade.types import DraftBlock, SamplingConfig, VerifyResult
+from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, VerifyResult
 
 
 def check_same_vocabulary(drafter_lm: CausalLM, target: CausalLM) -> None:
@@ -81,8 +83,21 @@ class LMDrafter(Drafter):
     def _continue(self, token: int) -> torch.Tensor:
         """Logits [V] after appending ``token`` to what the last call processed."""
 
+    def _start_draft(self, context: list[int]) -> torch.Tensor:
+        """Logits [V] after ``context``, the first step of a draft that ``_continue`` extends."""
+        return self.score(context)[-1]
+
     def _end_draft(self) -> None:
         """Called when a draft is complete."""
+
+    def describe(self) -> DrafterInfo:
+        return DrafterInfo(kind=self.kind, name=self.name, budget=self.k, stop=type(self.stop).__name__)
+
+    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Run the model over all but the last prompt token, so that the first proposal feeds
+        only that one (a drafter on the target's own cache overrides this: nothing to catch up)."""
+        if len(prompt) > 1:
+            self.score(prompt[:-1])
 
     def sync(self, context: list[int]) -> int:
         """Make the KV cache of ``self.model`` hold a prefix of ``context`` (nothing else); return
@@ -94,7 +109,7 @@ class LMDrafter(Drafter):
         n = min(budget, self.k)
         deterministic = self.sampling.greedy or not self.sample
         self.stop.start_draft()
-        logits = self.score(context)[-1]  # [V]
+        logits = self._start_draft(context)  # [V]
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(n):
@@ -113,8 +128,8 @@ class LMDrafter(Drafter):
             logits = self._continue(token)
         self._end_draft()
         q = torch.stack(qs) if qs else None  # [k, V]
-        info = {"stop": self.stop.decisions} if self.stop.decisions else {}
-        return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name, info)
+        return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name, stop=list(self.stop.decisions))
 
-    def observe(self, context: list[int], result: VerifyResult) -> None:
+    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
+                hidden: torch.Tensor | None = None) -> None:
         self.stop.update(result.num_accepted, not result.all_accepted)

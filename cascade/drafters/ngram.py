@@ -15,6 +15,7 @@ from cascade.types import DraftBlock
 
 
 class NGramDrafter(Drafter):
+    kind = "ngram"
     """Prompt lookup decoding (Saxena, 2023), with a fallback corpus table.
 
     The last ``n`` tokens of the context (``n`` from ``max_ngram`` down to ``min_ngram``) are
@@ -60,9 +61,9 @@ class NGramDrafter(Drafter):
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             found = self._lookup_context(context, n, budget)
             if found:
-                return DraftBlock(torch.tensor(found, dtype=torch.long), None, self.name, {"source": "context", "n": n})
+                return DraftBlock(torch.tensor(found, dtype=torch.long), None, self.name)
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             found = self.table.get(tuple(context[-n:]), [])[:budget]
             if found:
-                return DraftBlock(torch.tensor(found, dtype=torch.long), None, self.name, {"source": "table", "n": n})
+                return DraftBlock(torch.tensor(found, dtype=torch.long), None, self.name)
         return DraftBlock.empty(self.name)

@@ -11,6 +11,7 @@ from cascade.models.quantize import quantized_copy
 
 
 class QuantizedLMDrafter(SmallLMDrafter):
+    kind = "quantized_lm"
     """``model``: a model name/path (loaded quantized with ``quantize``) or a loaded ``CausalLM``
     (copied, then quantized; the original is untouched). ``quantize``: "auto" (nf4 on CUDA,
     int8_dynamic on CPU), "int8_dynamic" or "nf4"; see ``cascade.models.quantize``."""

@@ -30,6 +30,8 @@ class SmallLMDrafter(LMDrafter):
     """Drafts up to ``k`` tokens autoregressively with ``model`` (see ``LMDrafter`` for
     ``sample``, ``stop`` and ``stop_below``)."""
 
+    kind = "small_lm"
+
     def __init__(
         self,
         model: CausalLM,

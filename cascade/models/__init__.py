@@ -1,7 +1,8 @@
 """Model loading, the packaged zoo, tiny test models and the `CausalLM` wrapper."""
 
 from cascade.models.lm import CausalLM
-from cascade.models.loading import load_model, resolve_device, resolve_dtype
+from cascade.models.devices import resolve_device, resolve_dtype
+from cascade.models.loading import load_model
 from cascade.models.tiny import perturbed_copy, tiny_llama
 from cascade.models.zoo import ZOO, ZooError
 

@@ -2,8 +2,10 @@
 
 It exposes what speculative decoding needs and nothing model-specific: one forward over new
 tokens at explicit positions on top of a KV cache (with an optional 4D attention mask for
-trees), and cache cropping to an accepted prefix. Model quirks (loading, tokenizers, layer
-access) live in this package only.
+trees, and optionally one layer's hidden states for self-drafters), and the cache operations:
+length, crop to an accepted prefix, compaction to an accepted tree path. This class owns the
+cache: no other module edits transformers' cache layers. Model quirks (loading, tokenizers,
+layer access) live in this package only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -49,7 +52,16 @@ class CausalLM:
 
     # ---- cache ---------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        """A fresh KV cache. Refuses models with sliding-window layers: cropping and compacting
+        such a layer would leave its bookkeeping (``cumulative_length``) stale."""
+        cache = DynamicCache(config=self.model.config)
+        sliding = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
+        if sliding:
+            raise NotImplementedError(
+                f"model {self.name!r} has cache layers {sorted(set(sliding))} (sliding-window attention): "
+                "cascade crops and compacts KV caches to accepted prefixes, which these layers do not support yet"
+            )
+        return cache
 
     @staticmethod
     def cache_len(cache: DynamicCache) -> int:
@@ -64,6 +76,24 @@ class CausalLM:
         if drop:
             cache.crop(-drop)  # transformers 5: a negative count of tokens to remove
 
+    @classmethod
+    def compact(cls, cache: DynamicCache, past: int, keep: list[int]) -> None:
+        """After a forward over n inputs on top of ``past`` cached positions, keep the ``past``
+        positions plus the inputs ``keep`` (indices into those n inputs, increasing) in every
+        layer; drop the rest. When ``keep`` is ``0 .. m-1`` (a chain's accepted prefix) this is
+        a crop."""
+        if keep == list(range(len(keep))):
+            cls.crop(cache, past + len(keep))
+            return
+        idx = None
+        for layer in cache.layers:
+            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+                continue
+            if idx is None or idx.device != layer.keys.device:
+                idx = torch.tensor(list(range(past)) + [past + k for k in keep], device=layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(
@@ -73,9 +103,15 @@ class CausalLM:
         position_ids: torch.Tensor | None = None,  # [n]; default: cache_len .. cache_len+n-1
         attention_mask: torch.Tensor | None = None,  # [1, 1, n, cache_len + n] float, 0 / -inf
         keep_last: int | None = None,
-    ) -> torch.Tensor:
+        return_hidden: int | None = None,
+    ):
         """Run ``tokens`` on top of ``cache`` (which grows by n). Returns logits [n, V], or
-        [keep_last, V] for the last positions only (the LM head is skipped on the others)."""
+        [keep_last, V] for the last positions only (the LM head is skipped on the others).
+
+        ``return_hidden=L`` also returns the hidden states after the first ``L`` decoder layers
+        (before the final norm), [n, H]: ``(logits, hidden)``. Self-drafters (an early exit with
+        an adapter) read the target's own intermediate states this way, in tree order for a
+        tree forward."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if position_ids is None:
@@ -88,8 +124,14 @@ class CausalLM:
             attention_mask=attention_mask,
             use_cache=True,
             logits_to_keep=keep_last or 0,
+            output_hidden_states=return_hidden is not None,
         )
-        return out.logits[0]  # [n, V] or [keep_last, V]
+        if return_hidden is None:
+            return out.logits[0]  # [n, V] or [keep_last, V]
+        layers = int(self.model.config.num_hidden_layers)
+        if not 1 <= return_hidden < layers:
+            raise ValueError(f"return_hidden must name a layer in [1, {layers - 1}], got {return_hidden}")
+        return out.logits[0], out.hidden_states[return_hidden][0]  # [n, V], [n, H]
 
     def top2_gap(self, ids: list[int]) -> float:
         """Gap between the two largest next-token logits after ``ids``: how near a tie the greedy

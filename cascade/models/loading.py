@@ -10,30 +10,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
 from cascade.models.cpu_kernels import use_onednn_linears
+from cascade.models.devices import resolve_device, resolve_dtype
 from cascade.models.lm import CausalLM
 from cascade.models.quantize import bitsandbytes_config, quantize_int8_dynamic, resolve_method
+from cascade.models.tiny import tiny_llama
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
@@ -53,16 +35,6 @@ def auto_backend(device: torch.device) -> tuple[torch.dtype, bool]:
     if device.type == "cuda" or cpu_has_native_bf16():
         return torch.bfloat16, False
     return torch.float32, True
-
-
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """``None``/"auto": CUDA when present, else CPU."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available on this machine")
-    return device
 
 
 def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.device, **kwargs) -> CausalLM:
@@ -134,8 +106,6 @@ def _load(name_or_path: str | Path, dtype: torch.dtype, device: torch.device) ->
     text = str(name_or_path)
     path = Path(text).expanduser()
     if text.startswith("tiny:"):
-        from cascade.models.tiny import tiny_llama  # tiny imports this module
-
         return tiny_llama(vocab_size=256, num_layers=4, seed=int(text[5:]), dtype=dtype, device=device, name=text)
     if text in zoo.ZOO:
         lm = _from_pretrained(zoo.fetch(text), dtype, device)

@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from cascade.models.lm import CausalLM
-from cascade.models.loading import resolve_device, resolve_dtype
+from cascade.models.devices import resolve_device, resolve_dtype
 
 
 def tiny_llama(

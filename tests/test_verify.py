@@ -1,18 +1,29 @@
-"""Pure verifier tests: greedy rules and a Monte-Carlo check that sampled verification emits
-exactly p (and that a broken verifier does not)."""
+"""Pure verifier tests on chains (the tree whose parents are -1, 0, 1, ...): greedy rules and a
+Monte-Carlo check that sampled verification emits exactly p (and that a broken verifier does
+not)."""
 
 import pytest
 import torch
 
-from cascade.rejection import residual_distribution, verify_chain_greedy, verify_chain_sampled
-from cascade.types import VerifyResult
+from cascade.tree import chain_parents
+from cascade.types import ACCEPTED, REJECTED, UNJUDGED, VerifyResult
+from cascade.verify import accept_greedy, accept_sampled, residual_distribution
+
+
+def verify_chain_greedy(draft: torch.Tensor, argmax: torch.Tensor) -> VerifyResult:
+    return accept_greedy(draft.tolist(), chain_parents(draft.shape[0]), argmax)
+
+
+def verify_chain_sampled(draft: torch.Tensor, q, p, gen) -> VerifyResult:
+    return accept_sampled(draft.tolist(), chain_parents(draft.shape[0]), q, p, gen)
 
 
 def test_greedy_longest_matching_prefix_plus_one():
     argmax = torch.tensor([5, 6, 7, 8])
-    assert verify_chain_greedy(torch.tensor([5, 6, 9]), argmax) == VerifyResult(2, 7, False)
-    assert verify_chain_greedy(torch.tensor([5, 6, 7]), argmax) == VerifyResult(3, 8, True)
-    assert verify_chain_greedy(torch.tensor([1, 6, 7]), argmax) == VerifyResult(0, 5, False)
+    A, R, U = ACCEPTED, REJECTED, UNJUDGED
+    assert verify_chain_greedy(torch.tensor([5, 6, 9]), argmax) == VerifyResult(2, 7, False, [0, 1], [A, A, R])
+    assert verify_chain_greedy(torch.tensor([5, 6, 7]), argmax) == VerifyResult(3, 8, True, [0, 1, 2], [A, A, A])
+    assert verify_chain_greedy(torch.tensor([1, 6, 7]), argmax) == VerifyResult(0, 5, False, [], [R, U, U])
     assert verify_chain_greedy(torch.tensor([], dtype=torch.long), argmax[:1]) == VerifyResult(0, 5, True)
     with pytest.raises(ValueError):
         verify_chain_greedy(torch.tensor([5]), argmax)
