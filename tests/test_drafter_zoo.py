@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from cascade import generate
-from cascade.cascades import VerticalCascade
+from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade.drafters import ConfidenceStop, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter, ThompsonStop
 from cascade.models import load_model, perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import head_logits, layer_lengths, run_layers
+from cascade.tree_drafter import DynamicTreePolicy, StaticTreePolicy, TreeDrafter
 from cascade.types import SamplingConfig
 from stat_utils import LEVEL, lossless_pvalue
 
@@ -45,6 +46,13 @@ def _drafters(target, adapter):
         "layer_skip_3_confidence": lambda: LayerSkipDrafter(3, k=6, stop=ConfidenceStop(0.5)),
         "layer_skip_2_thompson": lambda: LayerSkipDrafter(2, k=6, stop=ThompsonStop(0.5)),
         "kangaroo": lambda: LayerSkipDrafter(2, k=4, adapter=adapter),
+        # the adapter is fed the target's hidden states of the accepted tree path (tree order)
+        "kangaroo_static_tree": lambda: TreeDrafter([LayerSkipDrafter(2, adapter=adapter)], StaticTreePolicy((2, 2, 1, 1))),
+        "kangaroo_dytc_mixed": lambda: TreeDrafter([LayerSkipDrafter(2, adapter=adapter), NGramDrafter(k=2)],
+                                                   DynamicTreePolicy(t_min=0.2, max_nodes=10)),
+        "kangaroo_horizontal": lambda: HorizontalCascade([(LayerSkipDrafter(2, k=2, adapter=adapter), 2), (NGramDrafter(k=2), 2)]),
+        "kangaroo_top_of_cascade": lambda: VerticalCascade([LayerSkipDrafter(3, k=5, adapter=ExitAdapter.from_target(target, 3)),
+                                                            LayerSkipDrafter(1, k=2)]),
         "quantized_self": lambda: QuantizedLMDrafter(target, "int8_dynamic", k=4),
         "small_lm_thompson": lambda: SmallLMDrafter(tiny_llama(vocab_size=32, seed=3), k=4, stop=ThompsonStop(0.3)),
         "double_early_exit": lambda: VerticalCascade([LayerSkipDrafter(3, k=6), LayerSkipDrafter(1, k=2)]),
@@ -69,6 +77,22 @@ def test_greedy_equals_autoregressive(name, target, adapter):
             assert sp.tokens == ar.tokens, (name, prompt, max_new)
             accepted += sum(s.accepted for s in sp.steps)
     assert accepted > 0, f"{name} never had a token accepted: the test would not exercise acceptance"
+
+
+def test_forward_returns_the_exit_hidden_states(target):
+    """CausalLM.forward(return_hidden=L) gives what the first L layers compute (the states the
+    Kangaroo adapter is fed), in chain and in tree order."""
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    logits, hidden = target.forward(ids, target.new_cache(), return_hidden=2)
+    assert torch.allclose(hidden, run_layers(target, ids, target.new_cache(), 2), atol=1e-9, rtol=0)
+    assert torch.allclose(logits, target.forward(ids, target.new_cache()), atol=1e-9, rtol=0)
+    with pytest.raises(ValueError, match="return_hidden"):
+        target.forward(ids, target.new_cache(), return_hidden=4)
+
+
+def test_kangaroo_cannot_be_a_lower_cascade_level(target, adapter):
+    with pytest.raises(ValueError, match="hidden states"):
+        VerticalCascade([LayerSkipDrafter(3, k=4), LayerSkipDrafter(2, k=2, adapter=adapter)])
 
 
 def test_layer_stack_with_all_layers_equals_the_model(target):
@@ -226,7 +250,8 @@ def small_target():
 
 
 @pytest.mark.parametrize(
-    "kind", ["layer_skip", "layer_skip_thompson", "kangaroo", "quantized", "double_early_exit_confidence", "lm_exit_of_lm"]
+    "kind", ["layer_skip", "layer_skip_thompson", "kangaroo", "kangaroo_tree", "quantized", "double_early_exit_confidence",
+             "lm_exit_of_lm"]
 )
 def test_sampling_is_lossless(kind, small_target):
     t = small_target
@@ -234,6 +259,7 @@ def test_sampling_is_lossless(kind, small_target):
         "layer_skip": lambda: LayerSkipDrafter(1, k=3),
         "layer_skip_thompson": lambda: LayerSkipDrafter(2, k=3, stop=ThompsonStop(0.4)),
         "kangaroo": lambda: LayerSkipDrafter(1, k=3, adapter=ExitAdapter.from_target(t, 1)),
+        "kangaroo_tree": lambda: TreeDrafter([LayerSkipDrafter(1, adapter=ExitAdapter.from_target(t, 1))], StaticTreePolicy((2, 2))),
         "quantized": lambda: QuantizedLMDrafter(t, "int8_dynamic", k=3),
         "double_early_exit_confidence": lambda: VerticalCascade(
             [LayerSkipDrafter(2, k=3), LayerSkipDrafter(1, k=2, stop=ConfidenceStop(0.4))]

@@ -45,6 +45,9 @@ def test_every_experiment_runs_with_tiny_models(name, tmp_path):
     for key in ("tau", "alpha", "c", "tokens_per_s", "speedup", "tokens", "predicted_speedup", "measured_over_predicted"):
         assert key in on_disk["methods"][method]
     assert on_disk["methods"]["ar"]["speedup"] == 1.0
+    info = on_disk["methods"][method]["drafter"]  # what the method is, from Drafter.describe
+    assert info["kind"] != "drafter" and isinstance(info["budget"], int) and info["name"]
+    assert on_disk["methods"]["ar"]["drafter"]["kind"] == "autoregressive"
     assert on_disk["environment"]["torch"] and on_disk["config"]["experiment_name"] == name
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert {s["method"] for s in steps} == set(summary["methods"])

@@ -79,3 +79,28 @@ def test_top2_gap(tiny_target):
     logits = tiny_target.forward([1, 2], tiny_target.new_cache())[-1]
     top = torch.topk(logits, 2).values
     assert tiny_target.top2_gap([1, 2]) == pytest.approx(float(top[0] - top[1]))
+
+
+def test_sliding_window_caches_are_refused():
+    """Crop/compaction would leave a sliding-window layer's bookkeeping stale: refused up front."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from cascade import generate
+    from cascade.models import CausalLM
+
+    cfg = Qwen2Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    lm = CausalLM(Qwen2ForCausalLM(cfg).eval(), None, "sliding")
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        generate(lm, [1, 2, 3], max_new_tokens=2)
+
+
+def test_compaction_of_a_chain_prefix_is_a_crop(tiny_target):
+    lm = tiny_target
+    a, b = lm.new_cache(), lm.new_cache()
+    for cache in (a, b):
+        lm.forward([1, 2, 3, 4, 5, 6, 7], cache)
+    lm.compact(a, 3, [0, 1])  # inputs 0, 1 of the 4 after the 3 committed positions
+    lm.crop(b, 5)
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)

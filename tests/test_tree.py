@@ -294,8 +294,11 @@ class _SlowFirstCall(SmallLMDrafter):
 
 
 def test_prefill_call_does_not_set_the_cost_estimate(tiny_target, tiny_close_drafter):
-    """Regression: a prefill-sized first call made the policy stop calling the drafter for good."""
+    """Regression: a prefill-sized first call made the policy stop calling the drafter for good.
+    The drafter's catch-up on the prompt is now its own timed step (Drafter.prefill)."""
     drafter = TreeDrafter([_SlowFirstCall(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8))
     out = generate(tiny_target, [1, 2, 3, 4], drafter=drafter, max_new_tokens=20, stop_on_eos=False)
     assert drafter.dcost.get(drafter.names[0]) < 0.1
     assert sum(s.drafted for s in out.steps) > len(out.steps)  # it kept drafting
+    assert out.drafter_prefill_time_s >= 0.3  # the slow call happened, in the prefill step
+    assert all(s.draft_time_s < 0.3 for s in out.steps)
