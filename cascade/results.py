@@ -40,7 +40,7 @@ def overrides(job: Path) -> dict[str, str]:
     except yaml.YAMLError as exc:
         raise GatherError(f"{path}: not valid YAML ({exc})") from exc
     return {k.lstrip("+~"): v for k, v in (item.split("=", 1) for item in items if "=" in item)
-            if k.lstrip("+~") not in ("experiment", "debug")}
+            if k.lstrip("+~") not in ("experiment", "debug", "resume")}
 
 
 def job_dirs(root: str | Path) -> list[Path]:

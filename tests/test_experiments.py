@@ -4,6 +4,7 @@ bad configs fail before any model is loaded."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,35 @@ def test_submitit_launcher_local_executor(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(list(sweep.glob("*/summary.json"))) == 2
+
+
+@pytest.mark.parametrize("launcher", ["basic", "local_parallel"])
+def test_resume_launches_only_incomplete_jobs(launcher, tmp_path):
+    """A job that died (no summary.json) is reported, and the same command with resume=true
+    launches only it; complete jobs are not launched and their files are not touched. The default
+    sweep directory holds a timestamp, so resume finds the earlier sweep with the same overrides."""
+    args = ["-m", "+experiment=pld_ngram", "debug=tiny", "seed=1,2,3", f"hydra/launcher={launcher}", "progress=false"]
+    first = _cli(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (sweep,) = (tmp_path / "multirun" / "pld_ngram").iterdir()
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 3
+    (jobs[1] / "summary.json").unlink()  # as if job 1 had been killed before writing its summary
+    kept = {j: [(p, p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(j.rglob("*")) if p.is_file()] for j in (jobs[0], jobs[2])}
+    time.sleep(1.1)  # a re-run names a new timestamped directory: resume must find this one
+    second = _cli(*args, "resume=true", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    said = second.stdout + second.stderr
+    assert f"resume: sweep multirun/pld_ngram/{sweep.name}" in said and "job #0 is complete, not launched" in said and "job #2 is complete" in said
+    assert (jobs[1] / "summary.json").is_file()
+    for job, files in kept.items():  # untouched, byte for byte and mtime
+        assert [(p, p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(job.rglob("*")) if p.is_file()] == files
+    assert [p.name for p in (tmp_path / "multirun" / "pld_ngram").iterdir()] == [sweep.name]
+    rows, incomplete = gather(sweep)
+    assert len({r["dir"] for r in rows}) == 3 and not incomplete
+    assert all("resume" not in r for r in rows)
+
+
+def test_resume_without_an_earlier_sweep_is_refused(tmp_path):
+    result = _cli("-m", "+experiment=pld_ngram", "debug=tiny", "seed=1,2", "resume=true", cwd=tmp_path)
+    assert result.returncode != 0 and "no earlier sweep" in result.stderr
