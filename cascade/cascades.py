@@ -115,10 +115,15 @@ class VerticalCascade(Drafter):
             lower.setdefault(name, LevelStats()).add(LevelStats(block.k, result.num_accepted, own_time, 1))
             for deeper, stats in (own.lower.items() if own is not None else ()):  # already aggregated
                 lower.setdefault(deeper, LevelStats()).add(stats)
-        rows = None
-        if not deterministic:
-            rows = logits_to_probs(logits[: len(emitted)], self.sampling)  # [m, V]
+        rows = None if deterministic else self._handed_up_q(logits, result)  # [m, V]
         return emitted, rows, time.perf_counter() - t1
+
+    def _handed_up_q(self, logits: torch.Tensor, result: VerifyResult) -> torch.Tensor:
+        """The law of each token one inner round hands up, [num_accepted + 1, V]: the top level's own
+        processed distribution at each emitted position. Exact inner verification makes the
+        emitted tokens follow it (a recovered token too: p-residual mixed with the accepted
+        mass is p again); handing up the residual instead would break losslessness."""
+        return logits_to_probs(logits[: result.num_accepted + 1], self.sampling)
 
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         n = min(budget, self.top.k)

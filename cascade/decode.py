@@ -22,7 +22,7 @@ from cascade.metrics import summarize
 from cascade.models.lm import CausalLM
 from cascade.sampling import make_generator
 from cascade.types import DraftBlock, SamplingConfig, StepRecord
-from cascade.verify import EXACT, Verifier, commit, verify_forward
+from cascade.verify import EXACT, Verifier, commit
 
 
 @dataclass
@@ -157,7 +157,7 @@ def generate(
         # 2. verify: one target forward over [last] + draft -> logits [n+1, V] (a tree with its
         #    positions and tree-attention mask)
         past = len(seq) - 1
-        out = verify_forward(target, cache, seq[-1], block, return_hidden=hidden_layer)
+        out = verifier.forward(target, cache, seq[-1], block, return_hidden=hidden_layer)
         logits, hidden = out if hidden_layer is not None else (out, None)
         t2 = _now(device)
         # 3. accept

@@ -38,7 +38,8 @@ distributed exactly as the target's.
 
 :class:`Verifier` bundles the two rules; ``cascade.generate(..., verifier=...)`` and
 ``VerticalCascade(..., verifier=...)`` take one, which is how the tests run deliberately broken
-rules through the real loop. :func:`commit` keeps the accepted path in the target's cache.
+rules through the real loop; ``Verifier.forward`` is the verification forward. :func:`commit`
+keeps the accepted path in the target's cache.
 """
 
 from __future__ import annotations
@@ -134,11 +135,23 @@ def accept_sampled(
 
 @dataclass(frozen=True)
 class Verifier:
-    """The acceptance rules: ``greedy(tokens, parents, argmax)`` and
-    ``sampled(tokens, parents, q, p, generator)``. Replace one to study (or test) another rule."""
+    """How a draft is shown to the target and judged: ``inputs(parents, past, dtype)`` (tree
+    positions and mask, ``cascade.tree.tree_inputs``), and the acceptance rules
+    ``greedy(tokens, parents, argmax)`` and ``sampled(tokens, parents, q, p, generator)``.
+    Replace one to study (or test) another rule."""
 
     greedy: Callable[..., VerifyResult] = accept_greedy
     sampled: Callable[..., VerifyResult] = accept_sampled
+    inputs: Callable[..., tuple] = tree_inputs
+
+    def forward(self, target: CausalLM, cache, last: int, block: DraftBlock, return_hidden: int | None = None):
+        """One target forward over ``[last] + block.tokens`` on top of ``cache`` (which holds the
+        committed prefix before ``last``), with tree positions and mask when the block is a tree.
+        Returns logits [n + 1, V], or (logits, hidden [n + 1, H]) with ``return_hidden``."""
+        past = target.cache_len(cache)
+        positions, mask = self.inputs(block.parents, past, target.dtype)
+        return target.forward([last] + block.tokens.tolist(), cache, position_ids=positions,
+                              attention_mask=None if mask is None else mask.to(target.device), return_hidden=return_hidden)
 
     def accept(self, block: DraftBlock, logits: torch.Tensor, sampling: SamplingConfig,
                generator: torch.Generator | None, sample_deterministic: bool = False) -> VerifyResult:
@@ -155,16 +168,6 @@ class Verifier:
 
 
 EXACT = Verifier()
-
-
-def verify_forward(target: CausalLM, cache, last: int, block: DraftBlock, return_hidden: int | None = None):
-    """One target forward over ``[last] + block.tokens`` on top of ``cache`` (which holds the
-    committed prefix before ``last``), with tree positions and mask when the block is a tree.
-    Returns logits [n + 1, V], or (logits, hidden [n + 1, H]) with ``return_hidden``."""
-    past = target.cache_len(cache)
-    positions, mask = tree_inputs(block.parents, past, target.dtype)
-    return target.forward([last] + block.tokens.tolist(), cache, position_ids=positions,
-                          attention_mask=None if mask is None else mask.to(target.device), return_hidden=return_hidden)
 
 
 def committed_inputs(result: VerifyResult) -> list[int]:

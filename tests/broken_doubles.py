@@ -1,0 +1,114 @@
+"""Subtly broken verification rules and cascade levels: what the losslessness tests must catch.
+
+Each is the exact rule with one realistic mistake (see ``tests/power_table.py`` for how often the
+statistical tests catch each one at the sample size CI uses):
+
+``residual_eps``      the recovered token drawn from ``p`` instead of the residual in a fraction
+                      ε = 0.25 of rejections
+``bonus_wrong_row``   the bonus token (below a leaf) drawn from the row of the leaf's parent
+``q_wrong_position``  a node judged with the ``q`` row of its parent's position
+``mask_off_by_one``   tree attention: a node at depth >= 2 does not see its parent
+``middle_residual``   a vertical cascade's middle level hands up, at an inner rejection, the
+                      residual it drew the recovered token from instead of its own distribution
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cascade.cascades import VerticalCascade
+from cascade.sampling import logits_to_probs, sample
+from cascade.tree import children_of, is_chain, tree_positions
+from cascade.types import ACCEPTED, REJECTED, UNJUDGED, VerifyResult
+from cascade.verify import Verifier, residual_distribution
+
+EPS = 0.25
+
+
+def _uniform(generator) -> float:
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def _accept_sampled(tokens, parents, q, p, generator, *, eps=0.0, bonus_row=False, q_shift=False):
+    """The exact rule with switches for the mistakes above (all off: exact)."""
+    kids = children_of(parents)
+    judgements = [UNJUDGED] * len(tokens)
+    path, j = [], 0
+    while True:
+        residual, rejected = p[j], False
+        nxt = None
+        for c in kids[j]:
+            x = tokens[c]
+            row = c if not (q_shift and parents[c] >= 0) else parents[c]
+            qx = 1.0 if q is None else float(q[row, x])
+            if qx > 0 and _uniform(generator) * qx < float(residual[x]):
+                judgements[c] = ACCEPTED
+                nxt = c
+                break
+            judgements[c] = REJECTED
+            rejected = True
+            q_row = torch.nn.functional.one_hot(torch.tensor(x), residual.shape[-1]).to(residual) if q is None \
+                else q[row].to(residual.dtype)
+            residual = residual_distribution(residual, q_row)
+        if nxt is None:
+            if rejected and eps and _uniform(generator) < eps:
+                residual = p[j]
+            if not kids[j] and bonus_row and path:
+                residual = p[parents[path[-1]] + 1]  # the leaf's parent's row
+            return VerifyResult(len(path), int(sample(residual, generator)), not kids[j], path, judgements)
+        path.append(nxt)
+        j = nxt + 1
+
+
+def _mask_off_by_one(parents, past, dtype):
+    """Tree inputs where a node at depth >= 2 does not attend to its parent (but to the others)."""
+    if is_chain(parents) and not parents:
+        return None, None
+    n = len(parents) + 1
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    allowed[:, 0] = True
+    for i, p in enumerate(parents):
+        allowed[i + 1] = allowed[p + 1]
+        allowed[i + 1, i + 1] = True
+        if p >= 0:
+            allowed[i + 1, p + 1] = False
+    full = torch.cat([torch.ones(n, past, dtype=torch.bool), allowed], dim=1)
+    mask = torch.zeros(n, past + n, dtype=dtype)
+    mask.masked_fill_(~full, torch.finfo(dtype).min)
+    return tree_positions(parents, past), mask[None, None]
+
+
+VERIFIERS = {
+    "residual_eps": Verifier(sampled=lambda *a: _accept_sampled(*a, eps=EPS)),
+    "bonus_wrong_row": Verifier(sampled=lambda *a: _accept_sampled(*a, bonus_row=True)),
+    "q_wrong_position": Verifier(sampled=lambda *a: _accept_sampled(*a, q_shift=True)),
+    "mask_off_by_one": Verifier(inputs=_mask_off_by_one),
+}
+
+
+class MiddleResidualCascade(VerticalCascade):
+    """At an inner rejection, hands up the residual norm(max(0, q_top - q_low)) as the recovered
+    token's q instead of q_top."""
+
+    def _handed_up_q(self, logits, result):
+        rows = logits_to_probs(logits[: result.num_accepted + 1], self.sampling).clone()
+        if not result.all_accepted and self._last_low_q is not None:
+            n = result.num_accepted
+            rows[n] = residual_distribution(rows[n], self._last_low_q[n].to(rows))
+        return rows
+
+    def _inner_round(self, ctx, budget, deterministic, lower):
+        # remember the lower level's q of this round (the exact class does not need it)
+        original = self.lower.propose
+
+        def spy(context, b):
+            block = original(context, b)
+            self._last_low_q = block.q if block.q is not None else (
+                torch.nn.functional.one_hot(block.tokens, self.top.model.vocab_size).double() if block.k else None)
+            return block
+
+        self.lower.propose = spy
+        try:
+            return super()._inner_round(ctx, budget, deterministic, lower)
+        finally:
+            self.lower.propose = original

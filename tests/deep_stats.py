@@ -1,0 +1,171 @@
+"""Deep-draft losslessness tests: an independent exact reference and pairwise chi-square tests.
+
+Reference (independent of the code under test). ``exact_law`` enumerates every continuation of
+length L (L >= 6) on a tiny vocabulary and computes its exact probability from the Hugging Face
+model's own forward (``model(input_ids).logits``, a fresh forward per prefix, no cache) and
+transformers' own logits warpers in ``generate``'s order (temperature, top-k, top-p). It never
+calls ``cascade.sampling``, ``cascade.verify`` or ``CausalLM``.
+
+Samples. ``sample_outputs`` runs ``cascade.generate`` with ``max_new_tokens = L`` so that the
+first step drafts up to ``L - 1`` tokens deep, and every later step of the generation is
+verified too (bonus tokens, recovered tokens after deep accepts, cache sync after a long
+accept, stop-policy decisions at every position). It records how deep each step's accepted path
+went, so a test can show (and its failure message report) that multi-token accepts and
+rejections at every depth happen.
+
+Statistic. Chi-square tests of the samples against the reference's exact marginals: each
+position's token alone (L tests: the most sensitive to a wrong recovered or bonus token) and the
+consecutive pairs (x1, x2), (x3, x4), ... (dependence along the output); cells with expected
+count < 5 pooled, a count in a zero-probability cell gives p = 0. The test fails when the
+smallest p-value times the number of tests (Bonferroni) is below ``LEVEL``. Seeds are fixed, so
+each test's outcome is deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from cascade import generate
+
+LEVEL = 1e-3  # family-wise false-alarm level of one test (over its pairs)
+
+
+def hf_warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+    """transformers' warpers in the order ``generate`` applies them."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+@torch.no_grad()
+def exact_law(hf_model, prompt: list[int], length: int, temperature: float, top_k=None, top_p=None) -> np.ndarray:
+    """P(first ``length`` generated tokens = x) for every x: an array of shape [V] * length."""
+    warpers = hf_warpers(temperature, top_k, top_p)
+    vocab = hf_model.get_output_embeddings().out_features
+    law = np.zeros((vocab,) * length)
+    frontier = [((), 1.0)]
+    for depth in range(length):
+        nxt = []
+        for prefix, mass in frontier:
+            ids = torch.tensor([prompt + list(prefix)])
+            logits = hf_model(input_ids=ids).logits[:, -1].double()  # [1, V]
+            probs = torch.softmax(warpers(ids, logits), dim=-1)[0].numpy()
+            for x in np.flatnonzero(probs > 0):
+                nxt.append((prefix + (int(x),), mass * float(probs[x])))
+        frontier = nxt
+    for seq, mass in frontier:
+        law[seq] = mass
+    return law
+
+
+@dataclass
+class Samples:
+    outputs: np.ndarray  # [n, L] generated tokens
+    depth_counts: dict[tuple[int, bool], int]  # (depth reached, rejected there) over all verified steps
+
+    def depth_report(self) -> str:
+        """How often the verifier accepted / rejected at each draft depth (for failure messages)."""
+        acc = Counter()
+        rej = Counter()
+        for (depth, rejected), n in self.depth_counts.items():
+            for d in range(1, depth + 1):
+                acc[d] += n
+            if rejected:
+                rej[depth + 1] += n
+        depths = sorted(set(acc) | set(rej))
+        return "depth: accepted/rejected " + ", ".join(f"{d}: {acc[d]}/{rej[d]}" for d in depths)
+
+    def exercised(self, depth: int, at_least: int) -> bool:
+        """Accepts and rejections both happened at least ``at_least`` times at every depth 1..depth."""
+        acc, rej = Counter(), Counter()
+        for (d, rejected), n in self.depth_counts.items():
+            for i in range(1, d + 1):
+                acc[i] += n
+            if rejected:
+                rej[d + 1] += n
+        return all(acc[i] >= at_least and rej[i] >= at_least for i in range(1, depth + 1))
+
+
+def sample_outputs(target, make_drafter, prompt: list[int], length: int, n: int, seed: int, sampling: dict,
+                   verifier=None) -> Samples:
+    """``n`` generations of ``length`` tokens; one drafter object reused (its state carries over
+    across generations, as in a real run)."""
+    drafter = make_drafter()
+    gen = torch.Generator().manual_seed(seed)
+    outputs = np.zeros((n, length), dtype=np.int64)
+    depths: Counter = Counter()
+    extra = {} if verifier is None else {"verifier": verifier}
+    for i in range(n):
+        out = generate(target, prompt, drafter=drafter, max_new_tokens=length, generator=gen, stop_on_eos=False,
+                       **sampling, **extra)
+        outputs[i] = out.tokens
+        for s in out.steps:
+            if s.drafted:
+                # rejected: the accepted path ends at a node that has children (not at a leaf)
+                rejected = ([-1] + s.accepted_path)[-1] in set(s.parents)
+                depths[(s.accepted, rejected)] += 1
+    return Samples(outputs, dict(depths))
+
+
+def _chi2(counts: np.ndarray, expected_p: np.ndarray) -> float:
+    expected = expected_p.ravel() * counts.sum()
+    observed = counts.ravel()
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    big = expected >= 5
+    small = ~big & (expected > 0)
+    obs = np.append(observed[big], observed[small].sum())
+    exp = np.append(expected[big], expected[small].sum())
+    keep = exp > 0
+    if keep.sum() < 2:
+        return 1.0
+    return float(chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def pair_pvalues(samples: Samples, law: np.ndarray) -> list[float]:
+    """One chi-square p-value per consecutive pair of positions (x1, x2), (x3, x4), ..."""
+    length, vocab = law.ndim, law.shape[0]
+    pvals = []
+    for a in range(0, length - 1, 2):
+        marginal = law.sum(axis=tuple(i for i in range(length) if i not in (a, a + 1)))  # [V, V]
+        counts = np.zeros((vocab, vocab))
+        np.add.at(counts, (samples.outputs[:, a], samples.outputs[:, a + 1]), 1)
+        pvals.append(_chi2(counts, marginal))
+    return pvals
+
+
+def position_pvalues(samples: Samples, law: np.ndarray) -> list[float]:
+    """One chi-square p-value per position's token."""
+    length, vocab = law.ndim, law.shape[0]
+    pvals = []
+    for a in range(length):
+        marginal = law.sum(axis=tuple(i for i in range(length) if i != a))  # [V]
+        pvals.append(_chi2(np.bincount(samples.outputs[:, a], minlength=vocab).astype(float), marginal))
+    return pvals
+
+
+def lossless_pvalue(samples: Samples, law: np.ndarray) -> float:
+    """Bonferroni-combined p-value over the positions and the pairs."""
+    pvals = position_pvalues(samples, law) + pair_pvalues(samples, law)
+    return min(1.0, min(pvals) * len(pvals))
+
+
+def all_sequences(vocab: int, length: int):
+    return itertools.product(range(vocab), repeat=length)

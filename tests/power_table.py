@@ -1,0 +1,75 @@
+"""Power of the deep losslessness test: how often it fails each subtly broken double
+(tests/broken_doubles.py), and how often it fails the exact code (false alarms), over many seeds
+at the sample size CI uses (test_lossless_deep.N_FAST generations per test).
+
+    python tests/power_table.py --seeds 20 --jobs 2
+
+Prints one row per (double, method): failures / seeds at the test's level, and the median
+p-value. Each seed is a different generator seed for the same models and reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from multiprocessing import Pool
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from broken_doubles import VERIFIERS, MiddleResidualCascade  # noqa: E402
+from cascade.drafters import SmallLMDrafter  # noqa: E402
+from deep_stats import LEVEL  # noqa: E402
+import test_lossless_deep as deep  # noqa: E402
+
+CASES = [
+    ("exact", "chain_small_lm"),
+    ("exact", "static_tree"),
+    ("exact", "vertical_2"),
+    ("exact", "far_chain"),
+    ("residual_eps", "far_chain"),
+    ("bonus_wrong_row", "chain_small_lm"),
+    ("q_wrong_position", "chain_small_lm"),
+    ("mask_off_by_one", "static_tree"),
+    ("middle_residual", "vertical_2"),
+]
+_models = None
+
+
+def _pvalue(job: tuple[str, str, int, int]) -> tuple[str, str, int, float]:
+    global _models
+    double, method, seed, n = job
+    if _models is None:
+        target = deep.damped()
+        _models = (target, deep.perturbed_copy(target, 0.35, seed=3), deep.perturbed_copy(target, 0.6, seed=4))
+    target, close, far = _models
+    drafter = None
+    if double == "residual_eps" or (double, method) == ("exact", "far_chain"):
+        drafter = lambda: SmallLMDrafter(far, k=5)  # noqa: E731
+        method = "chain_small_lm"
+    elif double == "middle_residual":
+        drafter = lambda: MiddleResidualCascade([SmallLMDrafter(close, k=5), SmallLMDrafter(far, k=2)])  # noqa: E731
+    _, p = deep._check(_models, method, "temperature", n, seed=1000 + seed, verifier=VERIFIERS.get(double), drafter=drafter)
+    return double, method, seed, p
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--n", type=int, default=deep.N_FAST, help="generations per test (CI: N_FAST)")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    jobs = [(d, m, s, args.n) for d, m in CASES for s in range(args.seeds)]
+    with Pool(args.jobs) as pool:
+        results = pool.map(_pvalue, jobs, chunksize=1)
+    print(f"{args.seeds} seeds, {args.n} generations of {deep.L} tokens per test, level {LEVEL}")
+    print(f"{'double':18s} {'method':16s} {'failed':>8s} {'median p':>10s}")
+    for d, m in CASES:
+        ps = [p for dd, mm, _, p in results if (dd, mm) == (d, m)]
+        fails = sum(p < LEVEL for p in ps)
+        print(f"{d:18s} {m:16s} {fails:>4d}/{len(ps):<3d} {statistics.median(ps):10.2g}")
+
+
+if __name__ == "__main__":
+    main()
