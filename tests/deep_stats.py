@@ -23,13 +23,11 @@ each test's outcome is deterministic.
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -38,6 +36,7 @@ from transformers.generation.logits_process import (
 )
 
 from cascade import generate
+from stat_utils import chi_square_pvalue as _chi2
 
 LEVEL = 1e-3  # family-wise false-alarm level of one test (over its pairs)
 
@@ -80,26 +79,25 @@ class Samples:
     outputs: np.ndarray  # [n, L] generated tokens
     depth_counts: dict[tuple[int, bool], int]  # (depth reached, rejected there) over all verified steps
 
-    def depth_report(self) -> str:
-        """How often the verifier accepted / rejected at each draft depth (for failure messages)."""
-        acc = Counter()
-        rej = Counter()
+    def _by_depth(self) -> tuple[Counter, Counter]:
+        """Judgements per depth: accepted nodes, rejections (a step that accepted d nodes and
+        stopped above a node with children was rejected at depth d + 1)."""
+        acc, rej = Counter(), Counter()
         for (depth, rejected), n in self.depth_counts.items():
             for d in range(1, depth + 1):
                 acc[d] += n
             if rejected:
                 rej[depth + 1] += n
-        depths = sorted(set(acc) | set(rej))
-        return "depth: accepted/rejected " + ", ".join(f"{d}: {acc[d]}/{rej[d]}" for d in depths)
+        return acc, rej
+
+    def depth_report(self) -> str:
+        """How often the verifier accepted / rejected at each draft depth (for failure messages)."""
+        acc, rej = self._by_depth()
+        return "depth: accepted/rejected " + ", ".join(f"{d}: {acc[d]}/{rej[d]}" for d in sorted(set(acc) | set(rej)))
 
     def exercised(self, depth: int, at_least: int) -> bool:
         """Accepts and rejections both happened at least ``at_least`` times at every depth 1..depth."""
-        acc, rej = Counter(), Counter()
-        for (d, rejected), n in self.depth_counts.items():
-            for i in range(1, d + 1):
-                acc[i] += n
-            if rejected:
-                rej[d + 1] += n
+        acc, rej = self._by_depth()
         return all(acc[i] >= at_least and rej[i] >= at_least for i in range(1, depth + 1))
 
 
@@ -122,21 +120,6 @@ def sample_outputs(target, make_drafter, prompt: list[int], length: int, n: int,
                 rejected = ([-1] + s.accepted_path)[-1] in set(s.parents)
                 depths[(s.accepted, rejected)] += 1
     return Samples(outputs, dict(depths))
-
-
-def _chi2(counts: np.ndarray, expected_p: np.ndarray) -> float:
-    expected = expected_p.ravel() * counts.sum()
-    observed = counts.ravel()
-    if observed[expected == 0].sum() > 0:
-        return 0.0
-    big = expected >= 5
-    small = ~big & (expected > 0)
-    obs = np.append(observed[big], observed[small].sum())
-    exp = np.append(expected[big], expected[small].sum())
-    keep = exp > 0
-    if keep.sum() < 2:
-        return 1.0
-    return float(chisquare(obs[keep], exp[keep]).pvalue)
 
 
 def pair_pvalues(samples: Samples, law: np.ndarray) -> list[float]:
@@ -165,7 +148,3 @@ def lossless_pvalue(samples: Samples, law: np.ndarray) -> float:
     """Bonferroni-combined p-value over the positions and the pairs."""
     pvals = position_pvalues(samples, law) + pair_pvalues(samples, law)
     return min(1.0, min(pvals) * len(pvals))
-
-
-def all_sequences(vocab: int, length: int):
-    return itertools.product(range(vocab), repeat=length)

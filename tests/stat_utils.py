@@ -58,6 +58,8 @@ def chi_square_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
     obs = np.append(observed[big], observed[small].sum())
     exp = np.append(expected[big], expected[small].sum())
     keep = exp > 0
+    if keep.sum() < 2:  # everything in one cell: nothing to compare (and no count outside it)
+        return 1.0
     return float(chisquare(obs[keep], exp[keep]).pvalue)
 
 
