@@ -14,7 +14,7 @@ independent random draws, never on the target's verdict on the tokens being draf
                                   per-token acceptance, draw theta, continue while theta >= threshold
 
 Every decision is logged: ``policy.decisions`` (cleared when the drafter starts a draft) ends up
-in the draft's ``info["stop"]``.
+in the draft's ``stop`` field (``DraftBlock.stop``, then ``StepRecord.stop``).
 """
 
 from __future__ import annotations
