@@ -87,10 +87,14 @@ def law(target, setting):
 
 
 def _check(models, method, setting, n, seed=0, verifier=None, drafter=None):
-    torch.set_num_threads(1)  # tiny models: threads only add overhead
     target, close, far = models
     make = drafter or methods(target, close, far)[method]
-    samples = sample_outputs(target, make, PROMPT, L, n, seed, SETTINGS[setting], verifier=verifier)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add overhead
+    try:
+        samples = sample_outputs(target, make, PROMPT, L, n, seed, SETTINGS[setting], verifier=verifier)
+    finally:
+        torch.set_num_threads(threads)
     return samples, lossless_pvalue(samples, law(target, setting))
 
 

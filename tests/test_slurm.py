@@ -61,14 +61,15 @@ def test_killed_job_is_reported_and_resumed_alone(cluster, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     driver = subprocess.Popen(_sweep_cmd(sweep), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
-    # 1. wait until job 2 (the longest) is running inside cascade.run, then kill it
+    # 1. wait until job 2 (the longest) is decoding, then kill it
     killed, deadline = None, time.time() + 240
     while killed is None:
         assert time.time() < deadline, f"timed out; squeue: {_squeue()}"
         assert driver.poll() is None, f"the sweep ended before a job could be killed:\n{driver.stdout.read()}"
         jobs = _squeue()
         running = [j for j in jobs if j[0].endswith("_2") and j[1] == "RUNNING"]
-        if running and list(sweep.glob("2_*/.hydra")):  # Hydra has started the job: it is decoding
+        # run() logs "N prompts, methods ..." once the model is loaded, right before decoding
+        if running and any("prompts, methods" in log.read_text() for log in sweep.glob("2_*/run.log")):
             killed = running[0][0]
             print("squeue before the kill:", jobs)
             subprocess.run(["scancel", killed], check=True)
