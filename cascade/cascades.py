@@ -68,7 +68,8 @@ class VerticalCascade(Drafter):
 
     def describe(self) -> DrafterInfo:
         lower = self.lower.describe()
-        return DrafterInfo(self.kind, self.name, self.top.k, parts=[self.top.describe()] + (lower.parts if isinstance(self.lower, VerticalCascade) else [lower]))
+        below = lower.parts if isinstance(self.lower, VerticalCascade) else [lower]  # levels, flattened
+        return DrafterInfo(self.kind, self.name, self.top.k, parts=[self.top.describe()] + below)
 
     def check_compatible(self, target: CausalLM) -> None:
         self.top.check_compatible(target)
