@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from cascade.drafters.base import Drafter
+from cascade.drafters.base import Drafter, shared_hidden_layer
 from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs
@@ -163,10 +163,7 @@ class HorizontalCascade(Drafter):
         self.schedule = entries
         self.k = sum(n for _, n in entries)
         self.name = name or " | ".join(f"{d.name}x{n}" for d, n in entries)
-        layers = {d.hidden_layer for d, _ in entries} - {None}
-        if len(layers) > 1:
-            raise ValueError(f"schedule entries need the target's hidden states at different layers {sorted(layers)}")
-        self.hidden_layer = layers.pop() if layers else None
+        self.hidden_layer = shared_hidden_layer([d for d, _ in entries], "schedule entries")
 
     def describe(self) -> DrafterInfo:
         return DrafterInfo(self.kind, self.name, self.k, parts=[d.describe() for d, _ in self.schedule])

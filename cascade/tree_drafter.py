@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cascade.drafters.base import Drafter
+from cascade.drafters.base import Drafter, shared_hidden_layer
 from cascade.drafters.lm_base import LMDrafter
 from cascade.estimators import AcceptanceTable, DrafterCost, VerifyCost
 from cascade.models.lm import CausalLM
@@ -105,10 +105,7 @@ class TreeDrafter(Drafter):
         self.vcost = VerifyCost()
         self._calibrated = False
         self._last: list[_Node] = []
-        layers = {d.hidden_layer for d in self.drafters} - {None}
-        if len(layers) > 1:
-            raise ValueError(f"tree drafters need the target's hidden states at different layers {sorted(layers)}")
-        self.hidden_layer = layers.pop() if layers else None
+        self.hidden_layer = shared_hidden_layer(self.drafters, "tree drafters")
 
     @property
     def kind(self) -> str:

@@ -33,6 +33,15 @@ from cascade.models.lm import CausalLM
 from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, VerifyResult
 
 
+def shared_hidden_layer(drafters: list["Drafter"], what: str) -> int | None:
+    """The one target layer whose hidden states the ``drafters`` of a composite drafter need
+    (None: none of them does); refuses drafters that need different layers."""
+    layers = {d.hidden_layer for d in drafters} - {None}
+    if len(layers) > 1:
+        raise ValueError(f"{what} need the target's hidden states at different layers {sorted(layers)}")
+    return layers.pop() if layers else None
+
+
 class Drafter(ABC):
     name: str = "drafter"
     kind: str = "drafter"  # what kind of method this is, written into run summaries
