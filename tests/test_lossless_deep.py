@@ -149,7 +149,9 @@ def test_broken_doubles_fail(broken, models):
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", ["residual_eps", "bonus_wrong_row"])
 def test_subtler_broken_doubles_fail_with_more_samples(broken, models):
-    """Caught at N_SLOW (measured: p 6e-7 and 1e-44), not reliably at N_FAST (p 0.03 and 0.001).
+    """Caught at N_SLOW (one run each at another seed: p 6e-7 and 1e-44; this test's seed passes
+    too), not reliably at N_FAST (power table: 3/10 and 10/10 over seeds; this suite's seed: p 0.03
+    and 0.001).
     mask_off_by_one is not caught at N_FAST (p 0.6) on these tiny models: see the README."""
     samples, p = _broken(models, broken, N_SLOW)
     assert p < LEVEL, f"{broken} passed: p={p:.2g}; {samples.depth_report()}"
