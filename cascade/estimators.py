@@ -53,22 +53,26 @@ class AcceptanceTable:
         self.prior, self.decay = prior, decay
         self.table: dict[tuple[str, str], Acceptance] = {}
 
-    def get(self, drafter: str, key: str) -> Acceptance:
+    def get(self, drafter: str, key: str, prior: tuple[float, float] | None = None) -> Acceptance:
+        """The estimate of (drafter, key), created from ``prior`` (default: the table's) when new."""
         k = (drafter, key)
         if k not in self.table:
-            self.table[k] = Acceptance(self.prior, self.decay)
+            self.table[k] = Acceptance(prior or self.prior, self.decay)
         return self.table[k]
 
-    def mean(self, drafter: str, key: str) -> float:
+    def mean(self, drafter: str, key: str, prior: tuple[float, float] | None = None) -> float:
         e = self.table.get((drafter, key))
-        return (self.prior[0] / sum(self.prior)) if e is None else e.mean
+        if e is None:
+            a, b = prior or self.prior
+            return a / (a + b)
+        return e.mean
 
     def seen(self, drafter: str, key: str) -> bool:
         e = self.table.get((drafter, key))
         return e is not None and e.n > 0
 
-    def update(self, drafter: str, key: str, accepted: bool) -> None:
-        self.get(drafter, key).update(accepted)
+    def update(self, drafter: str, key: str, accepted: bool, prior: tuple[float, float] | None = None) -> None:
+        self.get(drafter, key, prior).update(accepted)
 
     def snapshot(self) -> dict:
         return {f"{d}|{k}": {"mean": round(e.mean, 4), "ema": None if e.ema is None else round(e.ema, 4), "n": e.n}
@@ -103,7 +107,7 @@ class VerifyCost:
 
 
 class DrafterCost:
-    """EMA of each drafter's seconds per expansion call."""
+    """EMA of each drafter's seconds per call (drafters without a forward: one proposal)."""
 
     def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay

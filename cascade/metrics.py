@@ -25,6 +25,9 @@ Definitions (summed over all steps of all generations in a run, never averaged p
     for token trees: accepted path length / drafted nodes. Not comparable with a chain's
     ``alpha`` (most nodes of a wide tree are siblings that cannot all be accepted), hence its own
     name; ``alpha`` is None for tree methods.
+``tree_drafter_forwards_per_step``
+    for token trees: LM drafter forwards per step (level by level: at most one per depth and
+    drafter, plus a start when a drafter joins below the root).
 ``levels``
     for cascades, per inner level: ``alpha`` (accepted by the level above it / drafted) and
     ``c`` (its time per drafted token / target time per verification forward). The top level of
@@ -66,6 +69,7 @@ def summarize(generations: list) -> dict:
         "tree_expected_tau": 1 + sum(s.tree.expected_accepted for s in tree_steps) / len(tree_steps) if tree_steps else None,
         "tree_nodes_per_step": tree_nodes / len(tree_steps) if tree_steps else None,
         "tree_acceptance": sum(s.accepted for s in tree_steps) / tree_nodes if tree_nodes else None,
+        "tree_drafter_forwards_per_step": sum(s.tree.drafter_forwards for s in tree_steps) / len(tree_steps) if tree_steps else None,
         "alpha_by_depth": alpha_by_depth(steps),
         "num_generations": len(generations),
         "new_tokens": new_tokens,

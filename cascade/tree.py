@@ -76,6 +76,17 @@ def tree_mask(parents: list[int], past: int, dtype: torch.dtype = torch.float32)
     return mask[None, None]
 
 
+def level_inputs(parents: list[int], past: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [width] and 4D mask [1, 1, width, past + 1 + n] for the last ``width`` nodes of
+    the tree ``parents`` (n nodes), fed on top of a cache that holds the ``past`` positions
+    before the root, the root, and the first n - width nodes (a drafter growing a tree level by
+    level). The rows of :func:`tree_positions` / :func:`tree_mask`: one mask builder for the
+    target's verification and the drafters' level forwards."""
+    if not 1 <= width <= len(parents):
+        raise ValueError(f"width must lie in [1, {len(parents)}], got {width}")
+    return tree_positions(parents, past)[-width:], tree_mask(parents, past, dtype)[:, :, -width:, :]
+
+
 def tree_inputs(parents: list[int], past: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Position ids [n + 1] and 4D mask for a forward over [root] + nodes; (None, None) for a chain,
     whose positions and mask are the model's defaults (contiguous, causal)."""

@@ -49,7 +49,7 @@ def _drafters(target, adapter):
         # the adapter is fed the target's hidden states of the accepted tree path (tree order)
         "kangaroo_static_tree": lambda: TreeDrafter([LayerSkipDrafter(2, adapter=adapter)], StaticTreePolicy((2, 2, 1, 1))),
         "kangaroo_dytc_mixed": lambda: TreeDrafter([LayerSkipDrafter(2, adapter=adapter), NGramDrafter(k=2)],
-                                                   DynamicTreePolicy(t_min=0.2, max_nodes=10)),
+                                                   DynamicTreePolicy(t_min=0.2, max_nodes=10, measure_costs=False)),
         "kangaroo_horizontal": lambda: HorizontalCascade([(LayerSkipDrafter(2, k=2, adapter=adapter), 2), (NGramDrafter(k=2), 2)]),
         "kangaroo_top_of_cascade": lambda: VerticalCascade([LayerSkipDrafter(3, k=5, adapter=ExitAdapter.from_target(target, 3)),
                                                             LayerSkipDrafter(1, k=2)]),

@@ -70,7 +70,7 @@ def methods(target, close, far):
         "static_tree": lambda: TreeDrafter([SmallLMDrafter(close)], StaticTreePolicy((2, 2, 1, 1))),
         "dynamic_tree": lambda: TreeDrafter([SmallLMDrafter(close), NGramDrafter(k=1), LayerSkipDrafter(2, sample=False)],
                                             DynamicTreePolicy(t_min=0.02, max_nodes=10, max_depth=5, max_rank=1,
-                                                              prior_drafter_cost=0.01)),
+                                                              prior_drafter_cost=0.01, measure_costs=False)),
     }
 
 

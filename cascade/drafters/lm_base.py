@@ -15,11 +15,26 @@ A subclass provides the model access:
 and this class drafts: up to ``k`` tokens, argmax or sampled (reporting the exact processed
 ``q``), ended early by a stop policy (``cascade.drafters.stopping``) whose decisions are logged
 in the block's ``stop`` field and which learns from each verification result.
+
+Level-synchronous tree drafting (``cascade.tree_drafter``) uses four more calls, one drafter
+forward per tree depth over every node expanded at that depth:
+
+    tree_start(context) -> logits [V]            the root's (the cache then holds ``context``)
+    tree_level(nodes, tokens, parents) -> [w, V]  feed w tree nodes at once, with tree positions
+                                                  and the tree mask (``cascade.tree.level_inputs``)
+    tree_end()                                    drop what must not outlive the draft
+    tree_commit(path)                             after verification: keep the accepted path
+
+A subclass provides ``_forward_nodes(tokens, positions, mask)``; ``tree_commit`` compacts the
+drafter's own cache to the accepted path with the compaction the target uses
+(``CausalLM.compact``); a drafter on the target's cache (layer skip) drops its nodes in
+``tree_end`` instead and gets the accepted path from the target's own commit.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +42,7 @@ from cascade.drafters.base import Drafter
 from cascade.drafters.stopping import FixedK, StopPolicy, make_stop_policy
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs, sample
+from cascade.tree import level_inputs
 from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, VerifyResult
 
 
@@ -43,6 +59,17 @@ def check_same_vocabulary(drafter_lm: CausalLM, target: CausalLM) -> None:
                 f"drafter {drafter_lm.name!r} and target {target.name!r} have different tokenizers "
                 "(same size, different token -> id maps): drafted ids would mean other tokens"
             )
+
+
+@dataclass
+class TreeCacheState:
+    """Which tree nodes a drafter's cache holds during a level-synchronous tree draft."""
+
+    base: int  # cached positions before the first node: the context (the root is its last)
+    ids: list[int] = field(default_factory=list)  # caller's node ids, in cache order
+    parents: list[int] = field(default_factory=list)  # parent of each fed node, as an index into ids (-1 = root)
+    tokens: list[int] = field(default_factory=list)
+    slot: dict[int, int] = field(default_factory=dict)  # caller's node id -> index into ids
 
 
 class LMDrafter(Drafter):
@@ -65,6 +92,7 @@ class LMDrafter(Drafter):
         self.k, self.sample = k, sample
         self.stop: StopPolicy = make_stop_policy(stop, stop_below)
         self._compatible_with: set[int] = set()
+        self._tree: TreeCacheState | None = None
 
     def check_compatible(self, target: CausalLM) -> None:
         if id(target) not in self._compatible_with:
@@ -74,6 +102,7 @@ class LMDrafter(Drafter):
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
         self.stop.reset(generator)
+        self._tree = None
 
     @abstractmethod
     def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
@@ -89,6 +118,44 @@ class LMDrafter(Drafter):
 
     def _end_draft(self) -> None:
         """Called when a draft is complete."""
+
+    # ---- level-synchronous tree drafting ------------------------------------------------------
+    def _forward_nodes(self, tokens: list[int], positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits [w, V] of ``tokens`` fed on top of the draft cache at ``positions`` [w] with the
+        4D ``mask`` [1, 1, w, cache_len + w]; the cache grows by w."""
+        raise NotImplementedError(f"{type(self).__name__} cannot draft a tree level by level")
+
+    def tree_start(self, context: list[int]) -> torch.Tensor:
+        """Start a tree below the last token of ``context``: the root's logits [V]."""
+        logits = self._start_draft(context)  # the cache now holds all of context
+        self._tree = TreeCacheState(len(context))
+        return logits
+
+    def tree_level(self, nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Feed tree nodes ``nodes`` (the caller's ids) with ``tokens`` and ``parents`` (caller's
+        ids, -1 = root; each already fed, or earlier in this call) in one forward: logits [w, V],
+        each row the model's next-token logits after the path to that node."""
+        t = self._tree
+        if t is None:
+            raise RuntimeError(f"{self.name}: tree_level before tree_start")
+        for node, token, parent in zip(nodes, tokens, parents):
+            if parent != -1 and parent not in t.slot:
+                raise ValueError(f"tree node {node}'s parent {parent} has not been fed to {self.name}")
+            t.slot[node] = len(t.ids)
+            t.ids.append(node)
+            t.parents.append(-1 if parent == -1 else t.slot[parent])
+            t.tokens.append(token)
+        positions, mask = level_inputs(t.parents, t.base - 1, len(nodes), self.model.dtype)
+        return self._forward_nodes(list(tokens), positions.to(self.model.device), mask.to(self.model.device))
+
+    def tree_end(self) -> None:
+        """The tree is complete (called before the target verifies it)."""
+        self._end_draft()
+
+    def tree_commit(self, path: list[int]) -> None:
+        """After verification: ``path`` holds the accepted tree nodes (caller's ids, root's child
+        first). Keep the fed prefix of that path in the draft cache, drop every other node."""
+        self._tree = None
 
     def describe(self) -> DrafterInfo:
         return DrafterInfo(kind=self.kind, name=self.name, budget=self.k, stop=type(self.stop).__name__)

@@ -72,3 +72,23 @@ class SmallLMDrafter(LMDrafter):
     def _continue(self, token: int) -> torch.Tensor:
         self.cached.append(token)
         return self.model.forward([token], self.cache)[-1]
+
+    # ---- tree levels: the nodes sit in the cache after the context; ``cached`` stays the
+    #      context, so a sync before ``tree_commit`` crops them away
+    def _forward_nodes(self, tokens: list[int], positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model.forward(tokens, self.cache, position_ids=positions, attention_mask=mask)  # [w, V]
+
+    def tree_commit(self, path: list[int]) -> None:
+        t = self._tree
+        if t is None:
+            return
+        keep = []
+        for node in path:  # the accepted path's prefix that was fed
+            if node not in t.slot:
+                break
+            keep.append(t.slot[node])
+        if self.model.cache_len(self.cache) != t.base + len(t.ids) or len(self.cached) != t.base:
+            raise RuntimeError(f"{self.name}: the draft cache changed between tree_start and tree_commit")
+        self.model.compact(self.cache, t.base, keep)
+        self.cached = self.cached + [t.tokens[j] for j in keep]
+        self._tree = None

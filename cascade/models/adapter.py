@@ -77,14 +77,18 @@ class ExitAdapter(nn.Module):
     crop = staticmethod(CausalLM.crop)
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+    def forward(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [n, H] exit hidden states at ``positions`` [n] -> adapted, normed [n, H].
-        With a cache, the n positions are appended to it (they must follow its content)."""
+        With a cache, the n positions are appended to it (they must follow its content).
+        ``attention_mask``: [1, 1, n, cache_len + n] 0 / -inf (a tree level); default causal."""
         parts = decoder_parts(lm)
         x = hidden.unsqueeze(0).to(self.out_norm.weight.dtype)  # [1, n, H]
         pos = positions.reshape(1, -1).to(x.device)  # [1, n]
         pe = parts.rotary(x, position_ids=pos)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=cache, position_ids=pos)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(x.device, x.dtype)
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=pos)
         a, _ = self.attn(self.in_norm(x), position_embeddings=pe, attention_mask=mask, cache=cache, use_cache=cache is not None)
         return self.out_norm(x + a)[0]  # [n, H]
 
@@ -94,9 +98,10 @@ class ExitAdapter(nn.Module):
         self.forward(lm, hidden, positions, cache)
 
     @torch.inference_mode()
-    def logits(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def logits(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[n, V] next-token logits through the target's LM head."""
-        out = self.forward(lm, hidden, positions, cache)
+        out = self.forward(lm, hidden, positions, cache, attention_mask)
         return decoder_parts(lm).head(out.to(lm.dtype))
 
     def check_target(self, lm: CausalLM, exit_layer: int) -> None:
