@@ -154,8 +154,10 @@ def speedup_bars(speedups: dict[str, float], title: str, out_dir, spread: dict[s
 
 
 def tree_trajectories(steps: list[dict], title: str, out_dir, name: str = "tree_trajectories"):
-    """steps: per step {"nodes", "estimates": {"alpha": {key: {"mean"}}, "drafter_cost_s": {...},
-    "verify_fit_s": [a, b]}}, in order (one generation or several back to back)."""
+    """steps: per step {"nodes", "estimates": {"alpha": {key: {"mean"}}, "forward_fit_s": {drafter:
+    [a, b]} (an LM drafter's forward of w nodes: a + b w seconds), "drafter_cost_s": {drafter: s}
+    (a forward-free drafter's proposal), "verify_fit_s": [a, b]}}, in order (one generation or
+    several back to back). ĉ is drawn for a one-node forward, in target steps."""
     fig, axes = plt.subplots(3, 1, figsize=(7, 7.5), sharex=True)
     x = np.arange(len(steps))
     keys = sorted({k for s in steps for k in s["estimates"]["alpha"] if k.endswith("|depth1")})
@@ -164,10 +166,14 @@ def tree_trajectories(steps: list[dict], title: str, out_dir, name: str = "tree_
     axes[0].set_ylabel("α̂ at depth 1 (posterior mean)")
     axes[0].set_ylim(0, 1.02)
     axes[0].legend(fontsize=7)
-    drafters = sorted({d for s in steps for d in s["estimates"]["drafter_cost_s"]})
+    def seconds(est: dict, d: str) -> float:
+        fit = est.get("forward_fit_s", {}).get(d)
+        return fit[0] + fit[1] if fit else est.get("drafter_cost_s", {}).get(d, np.nan)
+
+    drafters = sorted({d for s in steps for key in ("forward_fit_s", "drafter_cost_s") for d in s["estimates"].get(key, {})})
+    unit = [(s["estimates"]["verify_fit_s"] or [np.nan, 0])[0] + (s["estimates"]["verify_fit_s"] or [0, 0])[1] for s in steps]
     for d in drafters:
-        unit = [(s["estimates"]["verify_fit_s"] or [np.nan, 0])[0] + (s["estimates"]["verify_fit_s"] or [0, 0])[1] for s in steps]
-        axes[1].plot(x, [s["estimates"]["drafter_cost_s"].get(d, np.nan) / u if u else np.nan for s, u in zip(steps, unit)], label=d)
+        axes[1].plot(x, [seconds(s["estimates"], d) / u if u else np.nan for s, u in zip(steps, unit)], label=d)
     axes[1].set_ylabel("ĉ (drafter call / target step)")
     axes[1].legend(fontsize=7)
     axes[2].bar(x, [s["nodes"] for s in steps], color="C2", label="tree nodes")

@@ -94,11 +94,13 @@ def test_each_figure_writes_an_image_with_its_axes(tmp_path):
     _check_image(paths)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["autoregressive", "sps", "tree"]
     steps = [{"nodes": n, "accepted": 1, "estimates": {"alpha": {"0:lm|depth1": {"mean": 0.5 + 0.01 * n}},
-                                                      "drafter_cost_s": {"0:lm": 0.01}, "verify_fit_s": [0.1, 0.01]}}
+                                                      "forward_fit_s": {"0:lm": [0.01, 0.002]}, "drafter_cost_s": {"1:ngram": 1e-4},
+                                                      "verify_fit_s": [0.1, 0.01]}}
              for n in (3, 5, 8)]
     fig, paths = figures.tree_trajectories(steps, "t", tmp_path)
     _check_image(paths)
     assert [a.get_ylabel().split(" ")[0] for a in fig.axes] == ["α̂", "ĉ", "nodes"]
+    assert len(fig.axes[1].lines) == 2  # the LM drafter's forward and the lookup
 
 
 def test_plot_ewif_on_a_sweep(sweep, tmp_path, capsys):

@@ -20,7 +20,7 @@ from cascade.drafters import ConfidenceStop, LayerSkipDrafter, NGramDrafter, Qua
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.sampling import logits_to_probs
-from cascade.tree_drafter import DynamicTreePolicy, StaticTreePolicy, TreeDrafter
+from cascade.tree_drafter import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy, TreeDrafter
 from cascade.types import SamplingConfig
 from deep_stats import LEVEL, exact_law, hf_warpers, lossless_pvalue, sample_outputs
 
@@ -68,8 +68,14 @@ def methods(target, close, far):
         "vertical_3": lambda: VerticalCascade([SmallLMDrafter(close, k=5), LayerSkipDrafter(2, k=2), NGramDrafter(k=1)]),
         "horizontal": lambda: HorizontalCascade([(SmallLMDrafter(close, k=3), 3), (SmallLMDrafter(far, k=2), 2)]),
         "static_tree": lambda: TreeDrafter([SmallLMDrafter(close)], StaticTreePolicy((2, 2, 1, 1))),
+        # level-batched trees with the other LM drafter kinds (sampled children, depth 4)
+        "static_tree_quantized": lambda: TreeDrafter([QuantizedLMDrafter(close, "int8_dynamic")], StaticTreePolicy((2, 1, 1, 1))),
+        "static_tree_kangaroo": lambda: TreeDrafter([LayerSkipDrafter(2, adapter=ExitAdapter.from_target(target, 2))],
+                                                    StaticTreePolicy((2, 1, 1, 1))),
+        # ranked (deterministic) children chosen by global score, also under sampling
+        "reranked_tree": lambda: TreeDrafter([SmallLMDrafter(close)], RerankedTreePolicy(top_k=2, depth=4, max_nodes=8)),
         "dynamic_tree": lambda: TreeDrafter([SmallLMDrafter(close), NGramDrafter(k=1), LayerSkipDrafter(2, sample=False)],
-                                            DynamicTreePolicy(t_min=0.02, max_nodes=10, max_depth=5, max_rank=1,
+                                            DynamicTreePolicy(t_min=0.02, max_nodes=16, max_depth=5, max_rank=1,
                                                               prior_drafter_cost=0.01, measure_costs=False)),
     }
 

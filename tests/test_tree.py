@@ -318,3 +318,34 @@ def test_prefill_call_does_not_set_the_cost_estimate(tiny_target, tiny_close_dra
     assert sum(s.drafted for s in out.steps) > 0
     assert out.drafter_prefill_time_s >= 0.3  # the slow call happened, in the prefill step
     assert all(s.draft_time_s < 0.3 for s in out.steps)
+
+
+class _SlowLevels(SmallLMDrafter):
+    """A drafter whose every forward costs ~20 target steps of the tiny target."""
+
+    def _start_draft(self, context):
+        import time
+
+        time.sleep(0.02)
+        return super()._start_draft(context)
+
+    def _forward_nodes(self, tokens, positions, mask):
+        import time
+
+        time.sleep(0.02)
+        return super()._forward_nodes(tokens, positions, mask)
+
+
+def test_dynamic_policy_stops_drafting_when_it_does_not_pay(tiny_target, tiny_close_drafter):
+    """Do no harm: with a drafter far more expensive than the target, the policy measures its
+    cost and drafts only on exploration steps (every 8th here) after the first ones."""
+    drafter = TreeDrafter([_SlowLevels(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, explore=8), calibrate=True)
+    out = generate(tiny_target, [1, 2, 3, 4], drafter=drafter, max_new_tokens=48, stop_on_eos=False)
+    drafting = [s.step for s in out.steps if s.drafted]
+    assert drafting and drafting[0] == 0  # the prior said it might pay: it tried
+    later = [s for s in drafting if s >= 2]
+    assert all((s + 1) % 8 == 0 for s in later), drafting  # then only the exploration steps
+    # and the same drafter, priced as cheap, drafts every step
+    cheap = TreeDrafter([_SlowLevels(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, measure_costs=False))
+    out = generate(tiny_target, [1, 2, 3, 4], drafter=cheap, max_new_tokens=24, stop_on_eos=False)
+    assert all(s.drafted for s in out.steps[:-1])
