@@ -93,7 +93,7 @@ def ewif_two_level_map(alpha: float, beta: float, c1: float, c2: float, title: s
     grid = np.array([[theory.ewif_two_level(alpha, beta, n, k, c1, c2) for n in ns] for k in ks])
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     cs = ax.contourf(ns, ks, grid, levels=14, cmap="viridis")
-    fig.colorbar(cs, ax=ax, label="predicted speedup (EWIF)")
+    fig.colorbar(cs, ax=ax, label="EWIF at the run's α, β, c (in-sample)")
     i, j = np.unravel_index(np.argmax(grid), grid.shape)
     ax.plot([ns[j]], [ks[i]], marker="*", ms=14, color="w", ls="none", label=f"optimum n={ns[j]}, k={ks[i]}")
     for p in points or []:

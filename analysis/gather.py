@@ -14,8 +14,10 @@ import pandas as pd
 
 from cascade.results import GatherError, Job, load_jobs  # noqa: F401  (re-exported for analysis users)
 
-COLUMNS = ("tau", "alpha", "tokens_per_s", "speedup", "predicted_speedup", "predicted_speedup_verify_cost",
-           "predicted_speedup_per_depth", "measured_over_predicted", "overhead_frac")
+# formula_* and decomposed_* are in-sample (the run's own α and costs); predicted_speedup and
+# measured_over_predicted are out of sample (the second half of the prompts, from the first)
+COLUMNS = ("tau", "alpha", "tokens_per_s", "speedup", "formula_speedup", "formula_speedup_verify_cost",
+           "decomposed_speedup_per_depth", "predicted_speedup", "measured_over_predicted", "overhead_frac")
 
 
 def table(root: str | Path) -> tuple[pd.DataFrame, list[Path]]:

@@ -136,46 +136,77 @@ def speedup(method: dict, baseline: dict) -> float:
     return method["tokens_per_s"] / baseline["tokens_per_s"]
 
 
-def prediction(method: dict, baseline: dict) -> dict:
-    """Speedup predicted from the run's own measurements, next to the measured one.
-
-    ``predicted_speedup`` is the seed formula (1-α^(γ+1)) / ((1-α)(1+γc)) with α measured, γ the
-    mean draft length and c = drafter time per token / autoregressive target step time;
-    ``predicted_speedup_verify_cost`` also charges the measured verification cost (one forward
-    over k+1 tokens / one autoregressive step) instead of assuming it is 1. Mean γ stands in for a
-    varying draft length, and α is assumed equal at every position (see ``cascade.theory``).
-    ``predicted_speedup_per_depth`` replaces that single α by the per-depth conditional rates.
-    """
-    measured = speedup(method, baseline)
-    if method.get("tree_expected_tau") is not None:  # token trees: the policy's own expectation
-        ar_step = baseline["target_time_per_forward_s"]
-        round_cost = (method["target_time_per_forward_s"] + method["draft_time_per_token_s"] * method["drafted_per_step"]) / ar_step
-        pred = method["tree_expected_tau"] / round_cost
-        return {"predicted_speedup": pred, "predicted_speedup_verify_cost": pred, "predicted_speedup_per_depth": pred,
-                "measured_over_predicted": measured / pred, "predicted_tau_iid": None,
-                "predicted_tau_per_depth": method["tree_expected_tau"]}
-    if method["alpha"] is None or not method["drafted_per_step"]:
-        return {"predicted_speedup": None, "predicted_speedup_verify_cost": None, "predicted_speedup_per_depth": None,
-                "measured_over_predicted": None, "predicted_tau_iid": None}
+def _round_cost(method: dict, baseline: dict) -> tuple[float, float, float]:
+    """(γ, c, verification cost): mean nodes drafted per step, drafter time per drafted node and
+    the verification forward's time, both in autoregressive steps of ``baseline``."""
     ar_step = baseline["target_time_per_forward_s"]
-    gamma, c = method["drafted_per_step"], method["draft_time_per_token_s"] / ar_step
-    verify_cost = method["target_time_per_forward_s"] / ar_step
+    return (method["drafted_per_step"], (method["draft_time_per_token_s"] or 0.0) / ar_step,
+            method["target_time_per_forward_s"] / ar_step)
+
+
+def decomposition(method: dict, baseline: dict) -> dict:
+    """The closed forms evaluated at a run's own measurements: in-sample, so a decomposition of
+    the measured speedup (which factor costs what), not a prediction of it.
+
+    ``formula_speedup`` is the seed formula (1-α^(γ+1)) / ((1-α)(1+γc)) with α measured, γ the
+    mean draft length and c = drafter time per token / autoregressive target step time;
+    ``formula_speedup_verify_cost`` also charges the measured verification cost (one forward over
+    k+1 tokens / one autoregressive step) instead of assuming it is 1; ``formula_tau_iid`` is the
+    τ the single-α formula expects (independent positions). ``decomposed_tau_per_depth`` uses
+    the per-depth conditional rates instead (for a fixed draft length it reproduces the measured
+    τ by construction) and ``decomposed_speedup_per_depth`` divides it by the measured round
+    cost. For token trees the tree policy's own expected τ takes the place of the per-depth τ.
+    """
+    none = {"formula_speedup": None, "formula_speedup_verify_cost": None, "formula_tau_iid": None,
+            "decomposed_tau_per_depth": None, "decomposed_speedup_per_depth": None, "measured_over_formula": None}
+    if not method["drafted_per_step"]:
+        return none
+    measured = speedup(method, baseline)
+    gamma, c, verify_cost = _round_cost(method, baseline)
+    if method.get("tree_expected_tau") is not None:  # token trees: the policy's own expectation
+        tau = method["tree_expected_tau"]
+        return {**none, "decomposed_tau_per_depth": tau, "decomposed_speedup_per_depth": tau / (verify_cost + gamma * c)}
+    if method["alpha"] is None:
+        return none
     seed = predicted_speedup(method["alpha"], gamma, c)
-    charged = predicted_speedup(method["alpha"], gamma, c, verify_cost)
     tau_depth = expected_tokens_per_position(method["alpha_by_depth"][: round(gamma)])
     return {
-        # tokens per forward the single-alpha (independent positions) formula expects, next to
-        # the per-depth rates (exact for a fixed draft length): their gap is the cost of the
-        # independence assumption (acceptance is correlated along a draft).
-        "predicted_tau_iid": predicted_speedup(method["alpha"], gamma, 0.0),
-        "predicted_tau_per_depth": tau_depth,
-        # per-depth tau over the measured cost of a round: no independence assumption
-        "predicted_speedup_per_depth": tau_depth / (verify_cost + gamma * c),
-        "predicted_speedup": seed,
-        "predicted_speedup_verify_cost": charged,
-        "measured_over_predicted": measured / seed,
-        "measured_over_predicted_verify_cost": measured / charged,
+        "formula_speedup": seed,
+        "formula_speedup_verify_cost": predicted_speedup(method["alpha"], gamma, c, verify_cost),
+        # the gap between these two τ is the cost of the independence assumption (acceptance is
+        # correlated along a draft)
+        "formula_tau_iid": predicted_speedup(method["alpha"], gamma, 0.0),
+        "decomposed_tau_per_depth": tau_depth,
+        "decomposed_speedup_per_depth": tau_depth / (verify_cost + gamma * c),
+        "measured_over_formula": measured / seed,
     }
+
+
+def prediction(fit: dict, fit_baseline: dict, method: dict, baseline: dict) -> dict:
+    """A prediction from data it did not see: the per-depth decomposition of one set of prompts
+    (``fit`` against ``fit_baseline``: per-depth acceptance, draft length, drafter and
+    verification cost in autoregressive steps) predicts τ and speedup on other prompts
+    (``method`` against ``baseline``), next to what was measured there.
+
+    ``predicted_tau``: the fit's per-depth τ (a token tree: the fit's measured τ);
+    ``predicted_speedup``: that τ over the fit's round cost; ``predicted_speedup_formula``: the
+    seed formula at the fit's single α, γ, c and verification cost (chains only)."""
+    out = {"predicted_tau": None, "predicted_speedup": None, "predicted_speedup_formula": None,
+           "measured_tau": method["tau"], "measured_speedup": speedup(method, baseline), "measured_over_predicted": None}
+    if not fit["drafted_per_step"]:
+        return out
+    gamma, c, verify_cost = _round_cost(fit, fit_baseline)
+    if fit.get("tree_expected_tau") is not None:
+        tau = fit["tau"]
+    elif fit["alpha"] is not None:
+        tau = expected_tokens_per_position(fit["alpha_by_depth"][: round(gamma)])
+        out["predicted_speedup_formula"] = predicted_speedup(fit["alpha"], gamma, c, verify_cost)
+    else:
+        return out
+    out["predicted_tau"] = tau
+    out["predicted_speedup"] = tau / (verify_cost + gamma * c)
+    out["measured_over_predicted"] = out["measured_speedup"] / out["predicted_speedup"]
+    return out
 
 
 def write_jsonl_atomic(path: str | Path, rows) -> None:

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from cascade.data import encode_prompt, load_prompts
 from cascade.decode import generate
-from cascade.metrics import prediction, speedup, summarize, write_json_atomic, write_jsonl_atomic
+from cascade.metrics import decomposition, prediction, speedup, summarize, write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
 
 log = logging.getLogger(__name__)
@@ -112,15 +112,36 @@ def decode_interleaved(target, methods: dict, prompts: list[list[int]], max_new_
     return gens
 
 
+def heldout(gens: dict[str, list], name: str) -> dict | None:
+    """Predict the second half of the prompts from the first: ``metrics.prediction`` with the
+    first half's measurements (against the baseline on the same prompts) as the fit. None with
+    fewer than two prompts."""
+    n = len(gens[BASELINE])
+    if n < 2:
+        return None
+    half = n // 2
+    fit, test = (summarize(gens[name][:half]), summarize(gens[BASELINE][:half])), (summarize(gens[name][half:]), summarize(gens[BASELINE][half:]))
+    return {"fit_prompts": half, "test_prompts": n - half, **prediction(*fit, *test)}
+
+
+def _fmt(x, spec: str = "{:.2f}x") -> str:
+    return "-" if x is None else spec.format(x)
+
+
 def _table(results: dict) -> str:
-    """alpha: a chain's acceptance; a tree's (accepted path / nodes) is shown as `tree 0.xxx`."""
-    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {'tok/s':>8s} {'speedup':>8s} {'predicted':>9s}"]
+    """alpha: a chain's acceptance; a tree's (accepted path / nodes) is shown as `tree 0.xxx`.
+    decomposed: the in-sample per-depth decomposition; predicted / measured: the second half of
+    the prompts, predicted from the first half."""
+    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {'tok/s':>8s} {'speedup':>8s} {'decomposed':>10s} "
+             f"{'2nd half: predicted':>19s} {'measured':>8s}"]
     for name, r in results.items():
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.3f}"
         if r["tree_acceptance"] is not None:
             alpha = f"tree {r['tree_acceptance']:.3f}"
-        pred = "-" if r["predicted_speedup_per_depth"] is None else f"{r['predicted_speedup_per_depth']:.2f}x"
-        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>10s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x {pred:>9s}")
+        h = r["heldout"] or {}
+        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>10s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x "
+                     f"{_fmt(r['decomposed_speedup_per_depth']):>10s} {_fmt(h.get('predicted_speedup')):>19s} "
+                     f"{_fmt(h.get('measured_speedup') if h.get('predicted_speedup') is not None else None):>8s}")
         for level, lv in r["levels"].items():
             if lv["alpha"] is not None:
                 lines.append(f"  level {level}: alpha {lv['alpha']:.3f}, c {lv['c']:.3f}")
@@ -164,7 +185,11 @@ def run(cfg: DictConfig) -> dict:
             "alpha_by_drafter": s["alpha_by_drafter"],
             "tokens_per_s": s["tokens_per_s"],
             "speedup": speedup(s, base),
-            **prediction(s, base),
+            **decomposition(s, base),
+            # out of sample: the second half of the prompts predicted from the first
+            "heldout": (h := heldout(gens, name)),
+            "predicted_speedup": None if h is None else h["predicted_speedup"],
+            "measured_over_predicted": None if h is None else h["measured_over_predicted"],
             "levels": s["levels"],
             "overhead_frac": s["overhead_frac"],
             "detail": s,

@@ -2,8 +2,9 @@
 
 Qwen2.5-Coder-1.5B target; the 0.5B drafter alone (chain), and the 0.5B drafted for by prompt
 lookup (CS Drafting's vertical cascade); HumanEval prompts, greedy, methods interleaved per
-prompt after a warm-up. Prints τ, α and c per level, measured speedup and the speedup predicted
-from the run's own α and c (seed formula, and with the measured verification cost).
+prompt after a warm-up. Prints τ, α and c per level, the measured speedup and its in-sample
+decomposition from the run's own α and c (the seed formula, with the measured verification cost,
+and from the per-depth rates: ``metrics.decomposition``).
 
     python experiments/bench_cascade.py --num-prompts 4 --onednn
 """
@@ -18,7 +19,7 @@ from cascade import load_model
 from cascade.cascades import VerticalCascade
 from cascade.data import encode_prompt, load_prompts
 from cascade.drafters import NGramDrafter, SmallLMDrafter
-from cascade.metrics import prediction, speedup, summarize
+from cascade.metrics import decomposition, speedup, summarize
 from cascade.run import decode_interleaved
 
 
@@ -48,20 +49,20 @@ def main() -> None:
     base = summarize(gens["ar"])
     print(f"\n{args.target} <- {args.drafter}, humaneval x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "
           f"target {'fp32+oneDNN' if args.onednn else 'bf16'}, drafter bf16, k={args.k}, k_ngram={args.k_ngram}")
-    print(f"{'method':18s} {'tok/s':>6s} {'tau':>5s} {'alpha':>6s} {'speedup':>8s} {'pred(seed)':>10s} {'pred(+verify)':>13s} {'pred(depth)':>11s}")
+    print(f"{'method':18s} {'tok/s':>6s} {'tau':>5s} {'alpha':>6s} {'speedup':>8s} {'formula':>10s} {'formula+verify':>14s} {'decomposed':>11s}")
     for name, g in gens.items():
         s = summarize(g)
-        p = prediction(s, base)
+        p = decomposition(s, base)
         fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
         alpha = "-" if s["alpha"] is None else f"{s['alpha']:.3f}"
         print(f"{name:18s} {s['tokens_per_s']:6.2f} {s['tau']:5.2f} {alpha:>6s} {speedup(s, base):7.2f}x "
-              f"{fmt(p['predicted_speedup']):>10s} {fmt(p['predicted_speedup_verify_cost']):>13s} {fmt(p['predicted_speedup_per_depth']):>11s}")
+              f"{fmt(p['formula_speedup']):>10s} {fmt(p['formula_speedup_verify_cost']):>14s} {fmt(p['decomposed_speedup_per_depth']):>11s}")
         c = next(iter(s["c_by_drafter"].values()), None)
         if c is not None:
             print(f"  whole drafter: c {c:.3f} (per drafted token, vs one verification forward), "
                   f"mean draft {s['drafted_per_step']:.2f}, verification forward {s['target_time_per_forward_s'] / base['target_time_per_forward_s']:.2f}x an AR step")
-            print(f"  tau measured {s['tau']:.2f}; predicted from one alpha (independent positions) {p['predicted_tau_iid']:.2f}, "
-                  f"from per-depth alpha {p['predicted_tau_per_depth']:.2f}; alpha by depth "
+            print(f"  tau measured {s['tau']:.2f}; one-alpha formula (independent positions) {p['formula_tau_iid']:.2f}, "
+                  f"per-depth decomposition {p['decomposed_tau_per_depth']:.2f}; alpha by depth "
                   + " ".join(f"{a:.2f}" for a in s["alpha_by_depth"]))
         for level, lv in s["levels"].items():
             print(f"  level {level}: alpha {lv['alpha']:.3f} (vs the level above), c {lv['c']:.3f}, drafted {lv['drafted']}")

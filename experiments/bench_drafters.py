@@ -26,7 +26,7 @@ from cascade import load_model
 from cascade.cascades import VerticalCascade
 from cascade.data import encode_prompt, load_prompts
 from cascade.drafters import ConfidenceStop, LayerSkipDrafter, QuantizedLMDrafter, SmallLMDrafter, ThompsonStop
-from cascade.metrics import prediction, speedup, summarize
+from cascade.metrics import decomposition, speedup, summarize
 from cascade.run import decode_interleaved
 
 
@@ -69,16 +69,16 @@ def main() -> None:
     base = summarize(gens["ar"])
     print(f"\n{args.target} ({target.dtype}), humaneval x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "
           f"exit {args.exit}, deep exit {args.deep_exit}, {args.threads} threads")
-    print(f"{'method':18s} {'alpha':>6s} {'c':>6s} {'tau':>5s} {'tok/s':>6s} {'speedup':>8s} {'predicted':>9s}  config")
+    print(f"{'method':18s} {'alpha':>6s} {'c':>6s} {'tau':>5s} {'tok/s':>6s} {'speedup':>8s} {'decomp.':>9s}  config")
     for name, g in gens.items():
         s = summarize(g)
-        p = prediction(s, base)
+        p = decomposition(s, base)
         c = next(iter(s["c_by_drafter"].values()), None)
         fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
         d = methods[name]
         desc = "-" if d is None else f"{d.name}, k={getattr(d, 'k', getattr(getattr(d, 'top', None), 'k', '?'))}"
         print(f"{name:18s} {fmt(s['alpha']):>6s} {fmt(c):>6s} {s['tau']:5.2f} {s['tokens_per_s']:6.2f} {speedup(s, base):7.2f}x "
-              f"{fmt(p['predicted_speedup_per_depth'], '{:.2f}x'):>9s}  {desc}")
+              f"{fmt(p['decomposed_speedup_per_depth'], '{:.2f}x'):>9s}  {desc}")
         for level, lv in s["levels"].items():
             print(f"  level {level}: alpha {lv['alpha']:.3f}, c {lv['c']:.3f}")
     if "kangaroo" in methods:

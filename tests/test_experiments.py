@@ -43,9 +43,12 @@ def test_every_experiment_runs_with_tiny_models(name, tmp_path):
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["methods"].keys() == summary["methods"].keys()
     method = cfg.method.name
-    for key in ("tau", "alpha", "c", "tokens_per_s", "speedup", "tokens", "predicted_speedup", "measured_over_predicted"):
+    for key in ("tau", "alpha", "c", "tokens_per_s", "speedup", "tokens", "decomposed_speedup_per_depth", "predicted_speedup",
+                "measured_over_predicted"):
         assert key in on_disk["methods"][method]
     assert on_disk["methods"]["ar"]["speedup"] == 1.0
+    held = on_disk["methods"][method]["heldout"]  # debug=tiny has 2 prompts: the second predicted from the first
+    assert held["fit_prompts"] == 1 and held["test_prompts"] == 1 and held["measured_speedup"] > 0
     info = on_disk["methods"][method]["drafter"]  # what the method is, from Drafter.describe
     assert info["kind"] != "drafter" and isinstance(info["budget"], int) and info["name"]
     assert on_disk["methods"]["ar"]["drafter"]["kind"] == "autoregressive"

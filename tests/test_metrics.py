@@ -3,7 +3,7 @@
 import pytest
 
 from cascade.decode import Generation
-from cascade.metrics import alpha_by_depth, prediction, speedup, summarize
+from cascade.metrics import alpha_by_depth, decomposition, prediction, speedup, summarize
 from cascade.tree import chain_parents
 from cascade.types import StepRecord
 
@@ -37,11 +37,30 @@ def test_speedup_and_prediction_use_totals():
     method = {"tokens_per_s": 3.0, "alpha": 0.8, "drafted_per_step": 4.0, "draft_time_per_token_s": 0.05,
               "target_time_per_forward_s": 1.0, "alpha_by_depth": [0.9, 0.8, 0.8, 0.7]}
     assert speedup(method, base) == 1.5
-    p = prediction(method, base)
+    p = decomposition(method, base)
     el = (1 - 0.8**5) / 0.2
-    assert p["predicted_speedup"] == pytest.approx(el / (1 + 4 * 0.1))
-    assert p["predicted_speedup_verify_cost"] == pytest.approx(el / (2 + 4 * 0.1))
-    assert p["predicted_tau_iid"] == pytest.approx(el)
-    assert p["predicted_tau_per_depth"] == pytest.approx(1 + 0.9 + 0.72 + 0.576 + 0.4032)
-    assert p["predicted_speedup_per_depth"] == pytest.approx(p["predicted_tau_per_depth"] / (2 + 4 * 0.1))
-    assert p["measured_over_predicted"] == pytest.approx(1.5 / p["predicted_speedup"])
+    assert p["formula_speedup"] == pytest.approx(el / (1 + 4 * 0.1))
+    assert p["formula_speedup_verify_cost"] == pytest.approx(el / (2 + 4 * 0.1))
+    assert p["formula_tau_iid"] == pytest.approx(el)
+    assert p["decomposed_tau_per_depth"] == pytest.approx(1 + 0.9 + 0.72 + 0.576 + 0.4032)
+    assert p["decomposed_speedup_per_depth"] == pytest.approx(p["decomposed_tau_per_depth"] / (2 + 4 * 0.1))
+    assert p["measured_over_formula"] == pytest.approx(1.5 / p["formula_speedup"])
+
+
+def test_prediction_uses_only_the_fit():
+    """The held-out prediction is computed from the fit's numbers alone: changing what was
+    measured on the held-out prompts moves only the measured side."""
+    fit_base = {"tokens_per_s": 2.0, "target_time_per_forward_s": 0.5}
+    fit = {"tokens_per_s": 3.0, "tau": 4.0, "alpha": 0.8, "drafted_per_step": 4.0, "draft_time_per_token_s": 0.05,
+           "target_time_per_forward_s": 1.0, "alpha_by_depth": [0.9, 0.8, 0.8, 0.7]}
+    test_base = {"tokens_per_s": 2.0, "target_time_per_forward_s": 0.5}
+    tau = 1 + 0.9 + 0.72 + 0.576 + 0.4032
+    for measured_tps, measured_tau in ((4.0, 5.0), (1.0, 1.5)):
+        test = {**fit, "tokens_per_s": measured_tps, "tau": measured_tau, "alpha_by_depth": [0.1, 0.1]}
+        p = prediction(fit, fit_base, test, test_base)
+        assert p["predicted_tau"] == pytest.approx(tau)
+        assert p["predicted_speedup"] == pytest.approx(tau / (2 + 4 * 0.1))
+        assert p["measured_speedup"] == pytest.approx(measured_tps / 2.0) and p["measured_tau"] == measured_tau
+        assert p["measured_over_predicted"] == pytest.approx(p["measured_speedup"] / p["predicted_speedup"])
+    # nothing drafted in the fit: no prediction
+    assert prediction({**fit, "drafted_per_step": 0.0}, fit_base, fit, test_base)["predicted_speedup"] is None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cascade import generate
-from cascade.drafters import LayerSkipDrafter, NGramDrafter, SmallLMDrafter
+from cascade.drafters import LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter
 from cascade.estimators import AcceptanceTable, VerifyCost
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.tree import children_of, depths_of, path_to, tree_mask, tree_positions
@@ -137,6 +137,9 @@ def _trees(target, close):
             [SmallLMDrafter(close), NGramDrafter(k=3), LayerSkipDrafter(1)], DynamicTreePolicy(t_min=0.2, max_nodes=16), calibrate=True
         ),
         "reranked": lambda: TreeDrafter([SmallLMDrafter(close)], RerankedTreePolicy(top_k=3, depth=4, max_nodes=8)),
+        # the other LM drafter kinds, level by level (Kangaroo: tests/test_drafter_zoo.py)
+        "static_quantized": lambda: TreeDrafter([QuantizedLMDrafter(close, "int8_dynamic")], StaticTreePolicy((2, 2, 1, 1))),
+        "static_layer_skip": lambda: TreeDrafter([LayerSkipDrafter(1)], StaticTreePolicy((2, 2, 1, 1))),
     }
 
 
