@@ -34,7 +34,6 @@ from cascade.data import load_prompts
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.models.adapter import ExitAdapter
-from cascade.models.cpu_kernels import OneDNNLinear
 from cascade.models.layers import decoder_parts
 from cascade.run import ConfigError, _output_dir
 
@@ -42,9 +41,9 @@ log = logging.getLogger(__name__)
 
 
 def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
-    """[out, in] fp32 weight of an nn.Linear or a OneDNNLinear."""
-    if isinstance(linear, OneDNNLinear):
-        return linear.weight_onednn.to_dense().float()
+    """[out, in] fp32 weight of an nn.Linear or a swapped linear (oneDNN, fp16 weights)."""
+    if hasattr(linear, "dense_state"):
+        return linear.dense_state()["weight"].float()
     return linear.weight.detach().float()
 
 

@@ -28,6 +28,9 @@ CASES = [
     ("exact", "static_tree"),
     ("exact", "vertical_2"),
     ("exact", "far_chain"),
+    ("exact", "static_tree_kangaroo"),
+    ("exact", "reranked_tree"),
+    ("exact", "dynamic_tree"),
     ("residual_eps", "far_chain"),
     ("bonus_wrong_row", "chain_small_lm"),
     ("q_wrong_position", "chain_small_lm"),
@@ -61,8 +64,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=deep.N_FAST, help="generations per test (CI: N_FAST)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", choices=["exact", "broken"], help="only the exact code, or only the broken doubles")
+    ap.add_argument("--methods", default="", help="comma-separated subset of methods (default: every case)")
     args = ap.parse_args()
     cases = [c for c in CASES if args.only is None or (c[0] == "exact") == (args.only == "exact")]
+    if args.methods:
+        cases = [c for c in cases if c[1] in args.methods.split(",")]
     jobs = [(d, m, s, args.n) for d, m in cases for s in range(args.seeds)]
     with Pool(args.jobs) as pool:
         results = pool.map(_pvalue, jobs, chunksize=1)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cascade.models import tiny_llama
+from cascade.models import load_model, tiny_llama
 
 
 def _sequential_last_logits(lm, tokens):
@@ -104,3 +104,77 @@ def test_compaction_of_a_chain_prefix_is_a_crop(tiny_target):
     lm.crop(b, 5)
     for la, lb in zip(a.layers, b.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+# ---- FBGEMM fp16-weight linears ----------------------------------------------------------------
+
+def _bf16_valued(lm):
+    """Round every weight to bf16 values (what a bf16 checkpoint holds), keeping fp32 storage."""
+    with torch.no_grad():
+        for p in lm.model.parameters():
+            p.copy_(p.bfloat16().float())
+    return lm
+
+
+def test_fp16_weight_linear_equals_the_fp64_product():
+    from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available
+
+    if not fbgemm_available():
+        pytest.skip("FBGEMM is not available in this torch build")
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        linear.weight.copy_((torch.randn(40, 96, generator=gen) * 0.05).bfloat16().float())
+        linear.bias.copy_(torch.randn(40, generator=gen))
+    fast = FP16WeightLinear(linear)
+    for rows in (1, 3, 8, 33):
+        x = torch.randn(rows, 96, generator=gen)
+        want = x.double() @ linear.weight.double().T + linear.bias.double()
+        # fp32 accumulation over 96 terms: relative error ~1e-6 of the terms' magnitude
+        torch.testing.assert_close(fast(x).double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.dense_state()["weight"], linear.weight)
+
+
+def test_fp16_exactness_check_refuses_what_fp16_cannot_hold():
+    from cascade.models.cpu_kernels import FP16WeightLinear, InexactWeightError, fp16_inexact, fbgemm_available, use_fp16_weight_linears
+
+    w = torch.tensor([[1.0, 0.5, 2.0**-10, 70000.0], [2.0**-30, 1.0 + 2.0**-7, -3.0, 0.0]])
+    assert fp16_inexact(w) == 2  # 70000 is out of range; 2^-30 is below fp16's subnormals
+    if not fbgemm_available():
+        pytest.skip("FBGEMM is not available in this torch build")
+    linear = torch.nn.Linear(4, 2, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    with pytest.raises(InexactWeightError, match="2 weight values"):
+        FP16WeightLinear(linear)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), linear)
+    with torch.no_grad():
+        model[0].weight.copy_(model[0].weight.bfloat16().float())
+    swapped, kept = use_fp16_weight_linears(model)
+    assert swapped == 1 and kept == ["1"] and type(model[1]) is torch.nn.Linear  # the inexact layer stays exact
+
+
+def test_fp16_weight_backend_keeps_greedy_equality():
+    from cascade import generate
+    from cascade.drafters import NGramDrafter, SmallLMDrafter
+    from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
+
+    if not fbgemm_available():
+        pytest.skip("FBGEMM is not available in this torch build")
+    dense = _bf16_valued(tiny_llama(vocab_size=64, seed=4, dtype="float32"))
+    fast = _bf16_valued(tiny_llama(vocab_size=64, seed=4, dtype="float32"))
+    swapped, kept = use_fp16_weight_linears(fast.model)
+    assert swapped > 0 and not kept and isinstance(fast.model.lm_head, FP16WeightLinear) and fast.vocab_size == 64
+    ids = [5, 9, 2, 7, 7, 1]
+    torch.testing.assert_close(fast.forward(ids, fast.new_cache()), dense.forward(ids, dense.new_cache()), atol=1e-4, rtol=1e-4)
+    drafter_lm = _bf16_valued(tiny_llama(vocab_size=64, seed=5, dtype="float32"))
+    use_fp16_weight_linears(drafter_lm.model)  # the drafters' multi-token forwards use it too
+    for prompt in ([1, 2, 3], [4, 4, 4, 4], [9, 8, 7, 9, 8]):
+        ar = generate(fast, prompt, max_new_tokens=20, stop_on_eos=False)
+        for drafter in (NGramDrafter(k=4), SmallLMDrafter(drafter_lm, k=4)):
+            assert generate(fast, prompt, drafter=drafter, max_new_tokens=20, stop_on_eos=False).tokens == ar.tokens
+
+
+def test_fp16w_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="fp16w"):
+        load_model("tiny:0", dtype="fp16w", onednn=True)

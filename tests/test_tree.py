@@ -352,3 +352,21 @@ def test_dynamic_policy_stops_drafting_when_it_does_not_pay(tiny_target, tiny_cl
     cheap = TreeDrafter([_SlowLevels(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, measure_costs=False))
     out = generate(tiny_target, [1, 2, 3, 4], drafter=cheap, max_new_tokens=24, stop_on_eos=False)
     assert all(s.drafted for s in out.steps[:-1])
+
+
+def test_tree_mask_double_is_caught_by_greedy_equality(tiny_target, tiny_close_drafter):
+    """The tree mask off by one depth (tests/broken_doubles.py) moves the target's logits at
+    depth >= 2 only slightly, too little for the chi-square test at CI's sample size (README power
+    table); greedy equality on float64 models catches it exactly."""
+    from broken_doubles import VERIFIERS
+
+    drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter)], StaticTreePolicy((2, 2, 1, 1)))
+    differ = 0
+    for seed in range(6):
+        prompt = [seed, 3, 1, 4, 1, 5]
+        ar = generate(tiny_target, prompt, max_new_tokens=24, stop_on_eos=False)
+        good = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
+        bad = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False, verifier=VERIFIERS["mask_off_by_one"])
+        assert good.tokens == ar.tokens
+        differ += bad.tokens != ar.tokens
+    assert differ >= 3, differ

@@ -22,7 +22,6 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from cascade.models.cpu_kernels import OneDNNLinear
 from cascade.models.layers import decoder_parts
 from cascade.models.lm import CausalLM
 
@@ -30,12 +29,12 @@ FORMAT = "cascade.exit_adapter/1"
 
 
 def _dense_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict of ``module`` with any OneDNNLinear child read back as a dense Linear's."""
+    """State dict of ``module`` with any swapped linear child (oneDNN, fp16 weights) read back as
+    a dense Linear's."""
     state = {}
     for name, child in module.named_children():
-        if isinstance(child, OneDNNLinear):
-            state[f"{name}.weight"] = child.weight_onednn.to_dense()
-            state[f"{name}.bias"] = child.bias_onednn.to_dense()
+        if hasattr(child, "dense_state"):
+            state.update({f"{name}.{k}": v for k, v in child.dense_state().items()})
         else:
             state.update({f"{name}.{k}": v for k, v in child.state_dict().items()})
     state.update({k: v.detach() for k, v in module.named_parameters(recurse=False)})

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
-from cascade.models.cpu_kernels import use_onednn_linears
+from cascade.models.cpu_kernels import use_fp16_weight_linears, use_onednn_linears
 from cascade.models.devices import resolve_device, resolve_dtype
 from cascade.models.lm import CausalLM
 from cascade.models.quantize import bitsandbytes_config, quantize_int8_dynamic, resolve_method
@@ -66,7 +66,9 @@ def load_model(
 
     ``onednn=True`` (fp32 on CPU only) runs the linear layers through oneDNN, whose cost grows
     far less with the number of tokens per forward on CPUs without native bf16; see
-    ``cascade.models.cpu_kernels``. ``dtype="auto"`` picks the backend (:func:`auto_backend`).
+    ``cascade.models.cpu_kernels``. ``dtype="fp16w"`` (CPU only) keeps the linear layers'
+    weights in fp16 and multiplies in fp32 through FBGEMM (a layer whose weights fp16 cannot hold
+    exactly keeps fp32; logged). ``dtype="auto"`` picks the backend (:func:`auto_backend`).
 
     ``quantize`` ("auto", "int8_dynamic" on CPU, "nf4" on CUDA; see ``cascade.models.quantize``)
     loads a quantized copy, for drafters. int8_dynamic loads fp32 whatever ``dtype`` says.
@@ -74,6 +76,11 @@ def load_model(
     device = resolve_device(device)
     if dtype == "auto":
         dtype, onednn = auto_backend(device)
+    fp16w = dtype == "fp16w"
+    if fp16w:
+        if device.type != "cpu" or onednn or quantize is not None:
+            raise ValueError("dtype='fp16w' is a CPU backend of its own (not with onednn, quantize or CUDA)")
+        dtype = torch.float32
     dtype = resolve_dtype(dtype)
     if onednn and (dtype != torch.float32 or device.type != "cpu"):
         raise ValueError("onednn=True needs dtype float32 on the CPU")
@@ -84,6 +91,11 @@ def load_model(
     lm = _load(name_or_path, dtype, device)
     if onednn:
         use_onednn_linears(lm.model)
+    if fp16w:
+        swapped, kept = use_fp16_weight_linears(lm.model)
+        log.info("%s: %d linear layers on FBGEMM fp16 weights", lm.name, swapped)
+        if kept:
+            log.warning("%s: %d layers keep fp32 (weights fp16 cannot hold exactly): %s", lm.name, len(kept), kept[:5])
     return lm
 
 
