@@ -9,6 +9,11 @@ same prompts (methods interleaved per prompt, after a warm-up of each):
   hf_ar         transformers model.generate (greedy)
   hf_assisted   transformers model.generate(assistant_model=drafter) with its default settings
   hf_pld        transformers model.generate(prompt_lookup_num_tokens=...)
+  sps_int8      cascade.generate + SmallLMDrafter on the int8 (dynamic, FBGEMM) drafter
+  hf_ar_stock / hf_assisted_stock
+                transformers' generate on a stock bf16 copy of the target (and bf16 drafter):
+                what a user gets today, next to hf_ar on the same swapped modules as ours
+                (e.g. --dtype fp16w: the framework tax, not the kernel's)
 
 Prints tokens/s, tau, alpha, speedup vs `ar` and vs the transformers counterpart, the share of
 step time spent outside model forwards, peak RSS, and every greedy divergence from `ar` with
@@ -54,11 +59,13 @@ def main() -> None:
     ap.add_argument("--stop-below", type=float, default=0.4, help="small-LM confidence stop (HF's default is 0.4)")
     ap.add_argument("--pld-k", type=int, default=10, help="prompt-lookup max match (HF default 10)")
     ap.add_argument("--pld-ngram", type=int, default=2, help="prompt-lookup max n-gram (HF default 2)")
-    ap.add_argument("--dtype", default="bfloat16", help="target dtype")
+    ap.add_argument("--dtype", default="bfloat16", help="target dtype: bfloat16, float32, fp16w (FBGEMM fp16 weights), auto")
     ap.add_argument("--onednn", action="store_true", help="fp32 target with oneDNN linears (see cascade.models.cpu_kernels)")
-    ap.add_argument("--drafter-dtype", default="bfloat16")
+    ap.add_argument("--drafter-dtype", default="bfloat16", help="small-LM drafter dtype (same names)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--methods", default="ar,sps,pld,hf_ar,hf_assisted,hf_pld", help="comma-separated subset (ar is always run)")
+    ap.add_argument("--methods", default="ar,sps,pld,hf_ar,hf_assisted,hf_pld",
+                    help="comma-separated subset of ar,sps,sps_int8,pld,hf_ar,hf_assisted,hf_pld,hf_ar_stock,hf_assisted_stock "
+                         "(ar is always run)")
     ap.add_argument("--json", help="write the full results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -66,30 +73,38 @@ def main() -> None:
     target = load_model(args.target, dtype="float32" if args.onednn else args.dtype, onednn=args.onednn)
     draft_lm = load_model(args.drafter, dtype=args.drafter_dtype)
     prompts = [encode_prompt(target, p.text) for p in load_prompts(args.dataset, args.num_prompts)]
+    chosen = set(args.methods.split(",")) | {"ar"}
     sps = SmallLMDrafter(draft_lm, k=args.k, stop_below=args.stop_below)
     pld = NGramDrafter(k=args.pld_k, max_ngram=args.pld_ngram)
     ours = {"ar": None, "sps": sps, "pld": pld}
+    if "sps_int8" in chosen:
+        ours["sps_int8"] = SmallLMDrafter(load_model(args.drafter, quantize="int8_dynamic"), k=args.k, stop_below=args.stop_below)
+    stock = stock_draft = None
+    if chosen & {"hf_ar_stock", "hf_assisted_stock"}:
+        stock = load_model(args.target, dtype="bfloat16")
+        stock_draft = load_model(args.drafter, dtype="bfloat16")
     theirs = {
-        "hf_ar": {},
-        "hf_assisted": {"assistant_model": draft_lm.model},
-        "hf_pld": {"prompt_lookup_num_tokens": args.pld_k, "max_matching_ngram_size": args.pld_ngram},
+        "hf_ar": (target, {}),
+        "hf_assisted": (target, {"assistant_model": draft_lm.model}),
+        "hf_pld": (target, {"prompt_lookup_num_tokens": args.pld_k, "max_matching_ngram_size": args.pld_ngram}),
+        "hf_ar_stock": (stock, {}),
+        "hf_assisted_stock": (stock, {"assistant_model": None if stock_draft is None else stock_draft.model}),
     }
 
-    chosen = set(args.methods.split(",")) | {"ar"}
     ours = {n: d for n, d in ours.items() if n in chosen}
-    theirs = {n: kw for n, kw in theirs.items() if n in chosen}
+    theirs = {n: v for n, v in theirs.items() if n in chosen}
     for name, drafter in ours.items():  # warm-up
         generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=8)
-    for kwargs in theirs.values():
-        hf_generate(target, prompts[0][:32], 8, **kwargs)
+    for model, kwargs in theirs.values():
+        hf_generate(model, prompts[0][:32], 8, **kwargs)
 
     gens: dict[str, list] = {name: [] for name in ours}
     hf: dict[str, list[tuple[list[int], float]]] = {name: [] for name in theirs}
     for i, ids in enumerate(prompts):
         for name, drafter in ours.items():
             gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=args.max_new_tokens))
-        for name, kwargs in theirs.items():
-            hf[name].append(hf_generate(target, ids, args.max_new_tokens, **kwargs))
+        for name, (model, kwargs) in theirs.items():
+            hf[name].append(hf_generate(model, ids, args.max_new_tokens, **kwargs))
         print(f"prompt {i + 1}/{len(prompts)}: " + "  ".join(
             f"{n}={len(g[-1].tokens) / g[-1].wall_time_s:.2f}" for n, g in gens.items()
         ) + "  " + "  ".join(f"{n}={len(t) / s:.2f}" for n, (t, s) in ((n, v[-1]) for n, v in hf.items())) + " tok/s")
@@ -99,7 +114,7 @@ def main() -> None:
         tokens, secs = sum(len(t) for t, _ in runs), sum(s for _, s in runs)
         rows[name] = {"tokens_per_s": tokens / secs, "new_tokens": tokens, "wall_time_s": secs}
     base = rows["ar"]["tokens_per_s"]
-    counterpart = {"ar": "hf_ar", "sps": "hf_assisted", "pld": "hf_pld"}
+    counterpart = {"ar": "hf_ar", "sps": "hf_assisted", "sps_int8": "hf_assisted", "pld": "hf_pld"}
 
     print(f"\ntarget {args.target}, drafter {args.drafter}, {args.dataset} x{len(prompts)}, greedy, "
           f"{args.max_new_tokens} new tokens, target {'fp32+oneDNN' if args.onednn else args.dtype}, "
@@ -116,7 +131,7 @@ def main() -> None:
     per_prompt = {n: [len(g.tokens) / g.wall_time_s for g in gs] for n, gs in gens.items()}
     print("median per-prompt tok/s: " + ", ".join(f"{n} {statistics.median(v):.2f}" for n, v in per_prompt.items()))
     divergences = []
-    spec = [n for n in ("sps", "pld") if n in gens]
+    spec = [n for n in ("sps", "sps_int8", "pld") if n in gens]
     for name in spec:
         for ids, a, b in zip(prompts, gens["ar"], gens[name]):
             j = next((j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
@@ -124,6 +139,9 @@ def main() -> None:
                 divergences.append({"method": name, "position": j, "top2_gap": target.top2_gap(ids + a.tokens[:j])})
     same = sum(1 for n in spec for a, b in zip(gens["ar"], gens[n]) if a.tokens == b.tokens)
     print(f"greedy outputs identical to ar: {same}/{len(spec) * len(prompts)}; divergences: {divergences or 'none'}")
+    if "hf_ar_stock" in rows:
+        print("vs transformers' stock bf16 autoregressive: " + ", ".join(
+            f"{n} {r['tokens_per_s'] / rows['hf_ar_stock']['tokens_per_s']:.2f}x" for n, r in rows.items()))
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS: {rss_mb:.0f} MB")
     if args.json:
