@@ -32,13 +32,15 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="tokens the 0.5B hands to the target per round")
     ap.add_argument("--k-ngram", type=int, default=4, help="tokens prompt lookup proposes to the 0.5B per inner round")
     ap.add_argument("--onednn", action="store_true", help="fp32 target with oneDNN linears")
+    ap.add_argument("--dtype", default="bfloat16", help="target and drafter dtype (bfloat16, fp16w, auto, ...)")
+    ap.add_argument("--dataset", default="humaneval")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_model(args.target, dtype="float32" if args.onednn else "bfloat16", onednn=args.onednn)
-    small = load_model(args.drafter, dtype="bfloat16")
-    prompts = [encode_prompt(target, p.text) for p in load_prompts("humaneval", args.num_prompts)]
+    target = load_model(args.target, dtype="float32" if args.onednn else args.dtype, onednn=args.onednn)
+    small = load_model(args.drafter, dtype="bfloat16" if args.onednn else args.dtype)
+    prompts = [encode_prompt(target, p.text) for p in load_prompts(args.dataset, args.num_prompts)]
     methods = {
         "ar": None,
         "chain_0.5b": SmallLMDrafter(small, k=args.k),
@@ -47,8 +49,8 @@ def main() -> None:
     gens = decode_interleaved(target, methods, prompts, args.max_new_tokens)
 
     base = summarize(gens["ar"])
-    print(f"\n{args.target} <- {args.drafter}, humaneval x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "
-          f"target {'fp32+oneDNN' if args.onednn else 'bf16'}, drafter bf16, k={args.k}, k_ngram={args.k_ngram}")
+    print(f"\n{args.target} <- {args.drafter}, {args.dataset} x{len(prompts)}, greedy, {args.max_new_tokens} new tokens, "
+          f"target {'fp32+oneDNN' if args.onednn else args.dtype}, drafter {'bfloat16' if args.onednn else args.dtype}, k={args.k}, k_ngram={args.k_ngram}")
     print(f"{'method':18s} {'tok/s':>6s} {'tau':>5s} {'alpha':>6s} {'speedup':>8s} {'formula':>10s} {'formula+verify':>14s} {'decomposed':>11s}")
     for name, g in gens.items():
         s = summarize(g)

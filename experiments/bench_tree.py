@@ -1,7 +1,7 @@
 """Token trees on the real target, level by level: DyTC against the best chain, static trees, the
 EAGLE-2-style reranked tree and transformers' assisted generation, one run.
 
-Qwen2.5-Coder-1.5B target (``dtype=auto``), greedy, 64 new tokens, every method interleaved
+Qwen2.5-Coder-1.5B target (``--dtype``, default auto), greedy, 64 new tokens, every method interleaved
 per prompt after a warm-up, on three prompt sets:
 
     humaneval      code completion (the first --num-prompts HumanEval prompts)
@@ -71,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--small", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dtype", default="auto", help="target dtype (auto, bfloat16, fp16w, ...)")
     ap.add_argument("--num-prompts", type=int, default=4, help="HumanEval and GSM8K prompts each")
     ap.add_argument("--chat-prompts", type=int, default=3, help="held-out GSM8K questions through the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -82,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_model(args.target, dtype="auto")
+    target = load_model(args.target, dtype=args.dtype)
     small_int8 = load_model(args.small, quantize="auto")
     small_bf16 = None
     makers = {

@@ -70,8 +70,13 @@ def test_onednn_linears_match_dense_and_keep_greedy_equality():
 def test_auto_backend_choice():
     from cascade.models.loading import auto_backend, cpu_has_native_bf16
 
+    from cascade.models.cpu_kernels import fbgemm_available
+
     dtype, onednn = auto_backend(torch.device("cpu"))
-    assert (dtype, onednn) == ((torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True))
+    if fbgemm_available():
+        assert (dtype, onednn) == ("fp16w", False)
+    else:
+        assert (dtype, onednn) == ((torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True))
     assert auto_backend(torch.device("cuda")) == (torch.bfloat16, False)
 
 

@@ -23,9 +23,20 @@ def smollm():
     return target, drafter_lm
 
 
+@pytest.fixture(scope="module")
+def smollm_fp16w():
+    """The same weights through the FBGEMM fp16-weight backend (target and drafter)."""
+    from cascade.models.cpu_kernels import fbgemm_available
+
+    if not fbgemm_available():
+        pytest.skip("FBGEMM is not available in this torch build")
+    return load_model("smollm2-135m", dtype="fp16w", device="cpu"), load_model("smollm2-135m", dtype="fp16w", device="cpu")
+
+
+@pytest.mark.parametrize("backend", ["float32", "fp16w"])
 @pytest.mark.parametrize("kind", ["small_lm", "ngram"])
-def test_real_model_greedy_matches_autoregressive(smollm, kind):
-    target, drafter_lm = smollm
+def test_real_model_greedy_matches_autoregressive(request, backend, kind):
+    target, drafter_lm = request.getfixturevalue("smollm" if backend == "float32" else "smollm_fp16w")
     drafter = SmallLMDrafter(drafter_lm, k=4) if kind == "small_lm" else NGramDrafter(k=6, max_ngram=3)
     divergences, accepted = [], 0
     for prompt in BUILTIN:
@@ -36,7 +47,7 @@ def test_real_model_greedy_matches_autoregressive(smollm, kind):
         if sp.tokens != ar.tokens:
             j = next((j for j, (a, b) in enumerate(zip(ar.tokens, sp.tokens)) if a != b), min(len(ar.tokens), len(sp.tokens)))
             divergences.append((prompt.id, j, target.top2_gap(ids + ar.tokens[:j])))
-    print(f"{kind}: divergences (prompt, position, top-2 logit gap): {divergences or 'none'}")
+    print(f"{backend} {kind}: divergences (prompt, position, top-2 logit gap): {divergences or 'none'}")
     assert all(gap < 1e-3 for _, _, gap in divergences), divergences
     assert accepted > 0
 
@@ -57,3 +68,24 @@ def test_chat_template_on_and_off(smollm):
     chat = encode_prompt(target, "What is 2 + 2?", chat_template=True)
     assert len(chat) > len(plain) and all(isinstance(t, int) for t in chat)
     assert "What is 2 + 2?" in target.decode(chat) and target.decode(chat) != target.decode(plain)
+
+
+def test_fp16w_backend_matches_transformers_generate_on_the_same_weights(smollm, smollm_fp16w):
+    """fp16w multiplies the checkpoint's own weights (all exactly representable) in fp32: its
+    greedy output equals transformers' generate on the fp32 model, except at near-ties."""
+    import torch
+
+    stock, _ = smollm
+    fast, _ = smollm_fp16w
+    divergences = []
+    for prompt in BUILTIN:
+        ids = encode_prompt(stock, prompt.text)
+        ours = generate(fast, ids, max_new_tokens=24).tokens  # up to and including EOS
+        inp = torch.tensor([ids])
+        theirs = stock.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=24, do_sample=False,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+        if ours != theirs:
+            j = next(j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            divergences.append((prompt.id, j, stock.top2_gap(ids + theirs[:j])))
+    print(f"fp16w vs transformers fp32: divergences {divergences or 'none'}")
+    assert all(gap < 1e-2 for _, _, gap in divergences), divergences

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
-from cascade.models.cpu_kernels import use_fp16_weight_linears, use_onednn_linears
+from cascade.models.cpu_kernels import fbgemm_available, use_fp16_weight_linears, use_onednn_linears
 from cascade.models.devices import resolve_device, resolve_dtype
 from cascade.models.lm import CausalLM
 from cascade.models.quantize import bitsandbytes_config, quantize_int8_dynamic, resolve_method
@@ -27,12 +27,18 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def auto_backend(device: torch.device) -> tuple[torch.dtype, bool]:
-    """(dtype, onednn) for ``dtype="auto"``: bf16 on CUDA and on CPUs with native bf16; else fp32
-    with oneDNN linears, whose multi-token forwards are far cheaper there (measured in
-    ``experiments/forward_cost.py``: on an AVX2-only CPU a 16-token forward costs 8.9x one token
-    in bf16 and 2.3x with fp32+oneDNN)."""
-    if device.type == "cuda" or cpu_has_native_bf16():
+def auto_backend(device: torch.device) -> tuple[torch.dtype | str, bool]:
+    """(dtype, onednn) for ``dtype="auto"``: bf16 on CUDA; on CPUs, fp16 weights with fp32
+    arithmetic through FBGEMM ("fp16w") where torch has it, measured fastest for the 1-12 token
+    forwards decoding and verification run (``experiments/forward_cost.py``, 1.5B target, 2
+    threads, bf16-capable EPYC: 97 ms per token vs 222 ms bf16 and 208 ms fp32+oneDNN; 8 tokens
+    186 ms vs 238 and 394); otherwise bf16 on CPUs with native bf16, else fp32 with oneDNN
+    linears (on an AVX2-only CPU a 16-token forward costs 8.9x one token in bf16, 2.3x there)."""
+    if device.type == "cuda":
+        return torch.bfloat16, False
+    if fbgemm_available():
+        return "fp16w", False
+    if cpu_has_native_bf16():
         return torch.bfloat16, False
     return torch.float32, True
 
@@ -74,8 +80,8 @@ def load_model(
     loads a quantized copy, for drafters. int8_dynamic loads fp32 whatever ``dtype`` says.
     """
     device = resolve_device(device)
-    if dtype == "auto":
-        dtype, onednn = auto_backend(device)
+    if dtype == "auto":  # (a quantized load chooses its own dtype)
+        dtype, onednn = auto_backend(device) if quantize is None else (torch.float32, False)
     fp16w = dtype == "fp16w"
     if fp16w:
         if device.type != "cpu" or onednn or quantize is not None:
