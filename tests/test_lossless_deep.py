@@ -75,8 +75,8 @@ def methods(target, close, far):
         # ranked (deterministic) children chosen by global score, also under sampling
         "reranked_tree": lambda: TreeDrafter([SmallLMDrafter(close)], RerankedTreePolicy(top_k=2, depth=4, max_nodes=8)),
         "dynamic_tree": lambda: TreeDrafter([SmallLMDrafter(close), NGramDrafter(k=1), LayerSkipDrafter(2, sample=False)],
-                                            DynamicTreePolicy(t_min=0.02, max_nodes=16, max_depth=5, max_rank=1,
-                                                              prior_drafter_cost=0.01, measure_costs=False)),
+                                            DynamicTreePolicy(t_min=0.02, max_nodes=24, max_depth=5, max_rank=1,
+                                                              prior_drafter_cost=0.01, prior_verify_slope=0.005, measure_costs=False)),
     }
 
 
