@@ -292,21 +292,19 @@ class TreeDrafter(Drafter):
         forward per call (plus ``tree_start`` if drafter i has not started on this tree)."""
         d: LMDrafter = self.drafters[i]
         out: dict[int, torch.Tensor] = {}
-        fed = d._tree.slot if i in g.started and d._tree is not None else {}
         if i not in g.started or -1 in expand:
             t0 = time.perf_counter()
             out[-1] = d.tree_start(g.context)
             self.fcost[self.names[i]].update(1, time.perf_counter() - t0)
             g.started.add(i)
             g.forwards += 1
-            fed = d._tree.slot
         todo = [x for x in expand if x >= 0]
         if not todo:
             return out
         feed: list[int] = []  # the nodes and any ancestors this drafter has not seen, parents first
         for x in todo:
             for j in path_to(x, [n.parent for n in g.nodes]):
-                if j not in fed and j not in feed:
+                if not d.tree_fed(j) and j not in feed:
                     feed.append(j)
         feed.sort(key=lambda j: (g.nodes[j].depth, j))
         t0 = time.perf_counter()

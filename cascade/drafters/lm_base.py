@@ -16,12 +16,13 @@ and this class drafts: up to ``k`` tokens, argmax or sampled (reporting the exac
 ``q``), ended early by a stop policy (``cascade.drafters.stopping``) whose decisions are logged
 in the block's ``stop`` field and which learns from each verification result.
 
-Level-synchronous tree drafting (``cascade.tree_drafter``) uses four more calls, one drafter
+Level-synchronous tree drafting (``cascade.tree_drafter``) uses these calls, one drafter
 forward per tree depth over every node expanded at that depth:
 
     tree_start(context) -> logits [V]            the root's (the cache then holds ``context``)
     tree_level(nodes, tokens, parents) -> [w, V]  feed w tree nodes at once, with tree positions
                                                   and the tree mask (``cascade.tree.level_inputs``)
+    tree_fed(node) -> bool                        whether a node is already in the draft cache
     tree_end()                                    drop what must not outlive the draft
     tree_commit(path)                             after verification: keep the accepted path
 
@@ -147,6 +148,10 @@ class LMDrafter(Drafter):
             t.tokens.append(token)
         positions, mask = level_inputs(t.parents, t.base - 1, len(nodes), self.model.dtype)
         return self._forward_nodes(list(tokens), positions.to(self.model.device), mask.to(self.model.device))
+
+    def tree_fed(self, node: int) -> bool:
+        """Whether tree node ``node`` (caller's id) is in the draft cache of the current tree."""
+        return self._tree is not None and node in self._tree.slot
 
     def tree_end(self) -> None:
         """The tree is complete (called before the target verifies it)."""
