@@ -292,7 +292,7 @@ class TreeDrafter(Drafter):
         forward per call (plus ``tree_start`` if drafter i has not started on this tree)."""
         d: LMDrafter = self.drafters[i]
         out: dict[int, torch.Tensor] = {}
-        if i not in g.started or -1 in expand:
+        if i not in g.started:  # the root's logits come with the start
             t0 = time.perf_counter()
             out[-1] = d.tree_start(g.context)
             self.fcost[self.names[i]].update(1, time.perf_counter() - t0)

@@ -161,11 +161,6 @@ class LayerSkipDrafter(LMDrafter):
             return head_logits(self.model, hidden)
         return self.adapter.logits(self.model, hidden, positions, self._adapter_cache, attention_mask=mask)
 
-    def tree_commit(self, path: list[int]) -> None:
-        """Nothing to keep: ``tree_end`` dropped the nodes, and the target's own commit keeps the
-        accepted path in every layer (the adapter gets its states through ``observe``)."""
-        self._tree = None
-
     def _end_draft(self) -> None:
         """Remove the draft-time positions (idempotent)."""
         if self._committed_len is None:

@@ -159,7 +159,10 @@ class LMDrafter(Drafter):
 
     def tree_commit(self, path: list[int]) -> None:
         """After verification: ``path`` holds the accepted tree nodes (caller's ids, root's child
-        first). Keep the fed prefix of that path in the draft cache, drop every other node."""
+        first). A drafter with its own cache keeps the fed prefix of that path and drops every
+        other node (``SmallLMDrafter``). This default keeps nothing: it suits a drafter on the
+        target's cache, whose nodes ``tree_end`` dropped and whose accepted path the target's own
+        commit keeps (layer skip; a Kangaroo adapter gets its states through ``observe``)."""
         self._tree = None
 
     def describe(self) -> DrafterInfo:
