@@ -30,7 +30,7 @@ from cascade.drafters.base import Drafter, shared_hidden_layer
 from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs
-from cascade.types import CascadeStats, DraftBlock, DrafterInfo, LevelStats, SamplingConfig, Segment, VerifyResult
+from cascade.types import CascadeStats, DraftBlock, DrafterInfo, LevelStats, SamplingConfig, Scored, Segment, VerifyResult
 from cascade.verify import EXACT, Verifier
 
 
@@ -109,7 +109,7 @@ class VerticalCascade(Drafter):
         sampling = SamplingConfig() if deterministic else self.sampling
         result = self.verifier.accept(block, logits, sampling, self.generator)
         emitted = block.tokens.tolist()[: result.num_accepted] + [result.next_token]
-        self.lower.observe(ctx + emitted, result)
+        self.lower.observe(ctx + emitted, result, scored=Scored([ctx[-1]] + block.tokens.tolist(), logits))
         if block.k:  # a nested cascade reports its own top level's time, without its levels'
             own = block.cascade
             name, own_time = (own.top, own.top_time_s) if own is not None else (self.lower.name, t1 - t0)
@@ -142,8 +142,8 @@ class VerticalCascade(Drafter):
                           cascade=CascadeStats(self.top.name, top_time, lower))
 
     def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None) -> None:
-        self.top.observe(context, result, verify_time_s, hidden)
+                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
+        self.top.observe(context, result, verify_time_s, hidden, scored)
 
 
 class HorizontalCascade(Drafter):
@@ -206,9 +206,9 @@ class HorizontalCascade(Drafter):
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), _stack_q(segments), self.name, segments=spans)
 
     def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None) -> None:
+                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
         for drafter, _ in self.schedule:
-            drafter.observe(context, result, verify_time_s, hidden if drafter.hidden_layer is not None else None)
+            drafter.observe(context, result, verify_time_s, hidden if drafter.hidden_layer is not None else None, scored)
 
 
 def _stack_q(segments: list[DraftBlock]) -> torch.Tensor | None:

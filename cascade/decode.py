@@ -21,7 +21,7 @@ from cascade.drafters.base import Drafter
 from cascade.metrics import summarize
 from cascade.models.lm import CausalLM
 from cascade.sampling import make_generator
-from cascade.types import DraftBlock, SamplingConfig, StepRecord
+from cascade.types import DraftBlock, SamplingConfig, Scored, StepRecord
 from cascade.verify import EXACT, Verifier, commit
 
 
@@ -156,8 +156,8 @@ def generate(
         t1 = _now(device)
         # 2. verify: one target forward over [last] + draft -> logits [n+1, V] (a tree with its
         #    positions and tree-attention mask)
-        past = len(seq) - 1
-        out = verifier.forward(target, cache, seq[-1], block, return_hidden=hidden_layer)
+        past, root = len(seq) - 1, seq[-1]
+        out = verifier.forward(target, cache, root, block, return_hidden=hidden_layer)
         logits, hidden = out if hidden_layer is not None else (out, None)
         t2 = _now(device)
         # 3. accept
@@ -168,10 +168,11 @@ def generate(
         emitted, hit_eos = _cut(accepted + [result.next_token], eos, max_new_tokens - len(new))
         seq += emitted
         new += emitted
-        # 5. observe: the drafter learns what was accepted, the forward's time and (if it asked)
-        #    the target's hidden states at the committed positions
+        # 5. observe: the drafter learns what was accepted, the forward's time, its inputs and
+        #    logits, and (if it asked) the target's hidden states at the committed positions
         if drafter is not None:
-            drafter.observe(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep])
+            drafter.observe(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep],
+                            scored=Scored([root] + draft, logits))
         t3 = _now(device)
         steps.append(
             StepRecord(

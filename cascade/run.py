@@ -34,7 +34,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from cascade.data import encode_prompt, load_prompts
+from cascade.data import encode, load_prompts
 from cascade.decode import generate
 from cascade.metrics import decomposition, prediction, speedup, summarize, write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
@@ -124,6 +124,20 @@ def heldout(gens: dict[str, list], name: str) -> dict | None:
     return {"fit_prompts": half, "test_prompts": n - half, **prediction(*fit, *test)}
 
 
+def by_category(prompt_set, gens: list, base: list) -> dict | None:
+    """Per prompt category (``Prompt.category``, in order of appearance): prompts, τ, tok/s and
+    the speedup against the baseline on the same prompts. None when there is one category."""
+    cats = [p.category for p in prompt_set]
+    if len(set(cats)) < 2:
+        return None
+    out = {}
+    for c in dict.fromkeys(cats):
+        idx = [i for i, x in enumerate(cats) if x == c]
+        s, b = summarize([gens[i] for i in idx]), summarize([base[i] for i in idx])
+        out[c] = {"prompts": len(idx), "tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "speedup": speedup(s, b)}
+    return out
+
+
 def _fmt(x, spec: str = "{:.2f}x") -> str:
     return "-" if x is None else spec.format(x)
 
@@ -145,6 +159,9 @@ def _table(results: dict) -> str:
         for level, lv in r["levels"].items():
             if lv["alpha"] is not None:
                 lines.append(f"  level {level}: alpha {lv['alpha']:.3f}, c {lv['c']:.3f}")
+        if r.get("by_category") and name != BASELINE:
+            lines.append("  by category (tau, speedup): " + ", ".join(
+                f"{c} {v['tau']:.2f} {v['speedup']:.2f}x" for c, v in r["by_category"].items()))
     return "\n".join(lines)
 
 
@@ -155,7 +172,7 @@ def run(cfg: DictConfig) -> dict:
     if (out_dir / "summary.json").exists() and not cfg.overwrite:
         raise FileExistsError(f"{out_dir / 'summary.json'} exists: refusing to mix runs (pass overwrite=true)")
     ds = cfg.dataset
-    prompt_set = load_prompts(ds.name, ds.num_prompts, ds.path, ds.field)  # before any model loads
+    prompt_set = load_prompts(ds.name, ds.num_prompts, ds.path, ds.field, ds.get("per_category", 3))  # before any model loads
     torch.set_num_threads(cfg.threads)
 
     m = cfg.models
@@ -163,7 +180,7 @@ def run(cfg: DictConfig) -> dict:
     methods = {BASELINE: None}
     if cfg.method.name != BASELINE:
         methods[cfg.method.name] = instantiate(cfg.method.drafter)
-    prompts = [encode_prompt(target, p.text, ds.chat_template) for p in prompt_set]
+    prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 
     sampling = dict(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p)
@@ -190,6 +207,7 @@ def run(cfg: DictConfig) -> dict:
             "heldout": (h := heldout(gens, name)),
             "predicted_speedup": None if h is None else h["predicted_speedup"],
             "measured_over_predicted": None if h is None else h["measured_over_predicted"],
+            "by_category": by_category(prompt_set, g, gens[BASELINE]),
             "levels": s["levels"],
             "overhead_frac": s["overhead_frac"],
             "detail": s,

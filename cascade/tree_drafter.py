@@ -66,7 +66,7 @@ from cascade.estimators import AcceptanceTable, DrafterCost, VerifyCost
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs, sample
 from cascade.tree import path_to
-from cascade.types import ACCEPTED, REJECTED, DraftBlock, DrafterInfo, SamplingConfig, TreeStats, VerifyResult
+from cascade.types import ACCEPTED, REJECTED, DraftBlock, DrafterInfo, SamplingConfig, Scored, TreeStats, VerifyResult
 
 # confidence buckets of a deterministic child (the drafter's probability of its token)
 CONF_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)
@@ -497,7 +497,7 @@ class TreeDrafter(Drafter):
 
     # ---- learning -----------------------------------------------------------------------------
     def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None) -> None:
+                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
         """Update α̂ from the judged nodes and Δverify from the forward's time; compact each LM
         drafter's cache to the accepted path."""
         nodes = self._last
@@ -518,5 +518,5 @@ class TreeDrafter(Drafter):
         for i in self._started:
             self.drafters[i].tree_commit(path)
         for d in self.drafters:
-            d.observe(context, result, verify_time_s, hidden if d.hidden_layer is not None else None)
+            d.observe(context, result, verify_time_s, hidden if d.hidden_layer is not None else None, scored)
         self._last, self._started = [], set()

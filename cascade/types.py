@@ -144,6 +144,18 @@ ACCEPTED, REJECTED, UNJUDGED = 1, 0, -1
 
 
 @dataclass
+class Scored:
+    """What the verifying model computed in one step: the inputs it was fed (the last committed
+    token, then the draft's nodes in order) and its raw logits after each. Handed to
+    ``Drafter.observe`` so a drafter can learn from a forward that was run anyway (Token
+    Recycling's table) without running one of its own. In a cascade's inner round the verifying
+    model is the level above, not the target."""
+
+    inputs: list[int]  # [n + 1]
+    logits: torch.Tensor  # [n + 1, V] raw, unprocessed; read-only for drafters
+
+
+@dataclass
 class DrafterInfo:
     """What a method is, written into every run summary (analysis reads it instead of guessing
     from config keys or class names)."""

@@ -5,11 +5,14 @@ from cascade.drafters.layer_skip import LayerSkipDrafter
 from cascade.drafters.lm_base import LMDrafter
 from cascade.drafters.ngram import NGramDrafter
 from cascade.drafters.quantized import QuantizedLMDrafter
+from cascade.drafters.recycling import TokenRecyclingDrafter
 from cascade.drafters.small_lm import SmallLMDrafter
 from cascade.drafters.stopping import ConfidenceStop, FixedK, StopPolicy, ThompsonStop
+from cascade.drafters.suffix import Datastore, SuffixDrafter
 
 __all__ = [
     "ConfidenceStop",
+    "Datastore",
     "Drafter",
     "FixedK",
     "LMDrafter",
@@ -18,5 +21,7 @@ __all__ = [
     "QuantizedLMDrafter",
     "SmallLMDrafter",
     "StopPolicy",
+    "SuffixDrafter",
     "ThompsonStop",
+    "TokenRecyclingDrafter",
 ]

@@ -10,7 +10,7 @@ decode loop verifies them with the target. Lifecycle per generation::
     loop:
         block = drafter.propose(context, budget)   # at most `budget` tokens deep
         ...target verifies...
-        drafter.observe(context_after, result, verify_time_s, hidden)   # what the target accepted
+        drafter.observe(context_after, result, verify_time_s, hidden, scored)   # what the target accepted
 
 ``context`` is the full token list (prompt + generated so far). A drafter with a KV cache keeps
 it in sync with the accepted prefix (see ``SmallLMDrafter``). A self-drafting drafter (layer
@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from cascade.models.lm import CausalLM
-from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, VerifyResult
+from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, VerifyResult
 
 
 def shared_hidden_layer(drafters: list["Drafter"], what: str) -> int | None:
@@ -70,11 +70,13 @@ class Drafter(ABC):
         """Propose at most ``budget`` (>= 1) tokens deep following ``context``."""
 
     def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None) -> None:
+                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
         """Told the verification result; ``context`` now ends with the accepted tokens and the
         recovered/bonus token. ``verify_time_s``: the target forward's time (None when the
         verifier is a cascade level). ``hidden``: [m, H] the target's states at ``hidden_layer``
-        for the m positions this step committed (the last root and the accepted path)."""
+        for the m positions this step committed (the last root and the accepted path).
+        ``scored``: the verifying forward's inputs and raw logits (``Scored``); a drafter that
+        learns from them must not modify them."""
 
     @property
     def budget(self) -> int | None:

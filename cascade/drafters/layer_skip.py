@@ -28,7 +28,7 @@ from cascade.drafters.stopping import StopPolicy
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import crop_layers, decoder_parts, head_logits, layer_lengths, run_layers
 from cascade.models.lm import CausalLM
-from cascade.types import SamplingConfig
+from cascade.types import SamplingConfig, Scored
 
 
 class LayerSkipDrafter(LMDrafter):
@@ -94,8 +94,8 @@ class LayerSkipDrafter(LMDrafter):
             self._hidden = hidden
 
     def observe(self, context: list[int], result, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None) -> None:
-        super().observe(context, result, verify_time_s, hidden)
+                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
+        super().observe(context, result, verify_time_s, hidden, scored)
         if self.adapter is not None and hidden is not None:  # [m, H] the positions just committed
             self._hidden = hidden if self._hidden is None else torch.cat([self._hidden, hidden])
 

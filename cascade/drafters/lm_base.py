@@ -44,7 +44,7 @@ from cascade.drafters.stopping import FixedK, StopPolicy, make_stop_policy
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs, sample
 from cascade.tree import level_inputs
-from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, VerifyResult
+from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, VerifyResult
 
 
 def check_same_vocabulary(drafter_lm: CausalLM, target: CausalLM) -> None:
@@ -206,5 +206,5 @@ class LMDrafter(Drafter):
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name, stop=list(self.stop.decisions))
 
     def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None) -> None:
+                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
         self.stop.update(result.num_accepted, not result.all_accepted)
