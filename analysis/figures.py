@@ -153,6 +153,25 @@ def speedup_bars(speedups: dict[str, float], title: str, out_dir, spread: dict[s
     return fig, save(fig, out_dir, name)
 
 
+def speedup_by_category(speedups: dict[str, list[float]], categories: list[str], title: str, out_dir,
+                        name: str = "speedup_by_category"):
+    """speedups: method -> speedup over autoregressive per category (same order as ``categories``);
+    grouped bars, one group per category."""
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(categories)), 4.6))
+    n = len(speedups)
+    width = 0.8 / max(n, 1)
+    x = np.arange(len(categories))
+    for i, (method, vals) in enumerate(speedups.items()):
+        ax.bar(x + (i - (n - 1) / 2) * width, vals, width, label=method, color=f"C{i}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x)
+    ax.set_xticklabels(categories, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over autoregressive")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=3)
+    return fig, save(fig, out_dir, name)
+
+
 def tree_trajectories(steps: list[dict], title: str, out_dir, name: str = "tree_trajectories"):
     """steps: per step {"nodes", "estimates": {"alpha": {key: {"mean"}}, "forward_fit_s": {drafter:
     [a, b]} (an LM drafter's forward of w nodes: a + b w seconds), "drafter_cost_s": {drafter: s}

@@ -10,6 +10,11 @@ statistical tests catch each one at the sample size CI uses):
 ``mask_off_by_one``   tree attention: a node at depth >= 2 does not see its parent
 ``middle_residual``   a vertical cascade's middle level hands up, at an inner rejection, the
                       residual it drew the recovered token from instead of its own distribution
+``sibling_vs_p``      a deterministic child judged against the target's ``p`` instead of the
+                      residual left by its rejected siblings (accept w.p. p(x), not
+                      p(x) / (1 - p(earlier siblings))); the recovered token is still drawn
+                      from the right residual. Only trees with deterministic siblings (Token
+                      Recycling's tree, ranked children) can show it
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def _uniform(generator) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
-def _accept_sampled(tokens, parents, q, p, generator, *, eps=0.0, bonus_row=False, q_shift=False):
+def _accept_sampled(tokens, parents, q, p, generator, *, eps=0.0, bonus_row=False, q_shift=False, sibling_p=False):
     """The exact rule with switches for the mistakes above (all off: exact)."""
     kids = children_of(parents)
     judgements = [UNJUDGED] * len(tokens)
@@ -41,7 +46,8 @@ def _accept_sampled(tokens, parents, q, p, generator, *, eps=0.0, bonus_row=Fals
             x = tokens[c]
             row = c if not (q_shift and parents[c] >= 0) else parents[c]
             qx = 1.0 if q is None else float(q[row, x])
-            if qx > 0 and _uniform(generator) * qx < float(residual[x]):
+            judge = p[j] if sibling_p and q is None else residual
+            if qx > 0 and _uniform(generator) * qx < float(judge[x]):
                 judgements[c] = ACCEPTED
                 nxt = c
                 break
@@ -83,6 +89,7 @@ VERIFIERS = {
     "bonus_wrong_row": Verifier(sampled=lambda *a: _accept_sampled(*a, bonus_row=True)),
     "q_wrong_position": Verifier(sampled=lambda *a: _accept_sampled(*a, q_shift=True)),
     "mask_off_by_one": Verifier(inputs=_mask_off_by_one),
+    "sibling_vs_p": Verifier(sampled=lambda *a: _accept_sampled(*a, sibling_p=True)),
 }
 
 

@@ -36,6 +36,10 @@ CASES = [
     ("q_wrong_position", "chain_small_lm"),
     ("mask_off_by_one", "static_tree"),
     ("middle_residual", "vertical_2"),
+    ("exact", "tree_recycling"),
+    ("exact", "chain_suffix"),
+    ("exact", "vertical_recycling"),
+    ("sibling_vs_p", "tree_recycling"),
 ]
 _models = None
 

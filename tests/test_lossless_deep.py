@@ -16,7 +16,9 @@ import torch
 
 from broken_doubles import VERIFIERS, MiddleResidualCascade
 from cascade.cascades import HorizontalCascade, VerticalCascade
-from cascade.drafters import ConfidenceStop, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter, ThompsonStop
+from cascade import generate
+from cascade.drafters import (ConfidenceStop, Datastore, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter,
+                              SuffixDrafter, ThompsonStop, TokenRecyclingDrafter)
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.sampling import logits_to_probs
@@ -55,6 +57,12 @@ def models():
     return target, perturbed_copy(target, 0.35, seed=3), perturbed_copy(target, 0.6, seed=4)
 
 
+def target_store(target, n=40):
+    """A datastore of the target's own sampled continuations of PROMPT (suffix lookups match often)."""
+    return Datastore.build(PROMPT + generate(target, PROMPT, max_new_tokens=8, temperature=1.0, seed=i, stop_on_eos=False).tokens
+                           for i in range(n))
+
+
 def methods(target, close, far):
     return {
         "chain_small_lm": lambda: SmallLMDrafter(close, k=5),
@@ -77,6 +85,15 @@ def methods(target, close, far):
         "dynamic_tree": lambda: TreeDrafter([SmallLMDrafter(close), NGramDrafter(k=1), LayerSkipDrafter(2, sample=False)],
                                             DynamicTreePolicy(t_min=0.02, max_nodes=24, max_depth=5, max_rank=1,
                                                               prior_drafter_cost=0.01, prior_verify_slope=0.005, measure_costs=False)),
+        # forward-free drafters (tables and datastores carry over across generations)
+        "chain_recycling": lambda: TokenRecyclingDrafter(r=2, k=5),
+        "tree_recycling": lambda: TokenRecyclingDrafter(r=3, tree=(3, 2, 1, 1)),  # deterministic siblings
+        "vertical_recycling": lambda: VerticalCascade([SmallLMDrafter(close, k=5), TokenRecyclingDrafter(r=2, k=2)]),
+        "chain_suffix": lambda: SuffixDrafter(target_store(target), k=5, min_ngram=1),
+        "dytc_forward_free": lambda: TreeDrafter([SmallLMDrafter(close), TokenRecyclingDrafter(r=2, k=1),
+                                                  SuffixDrafter(target_store(target), k=1, min_ngram=1)],
+                                                 DynamicTreePolicy(t_min=0.02, max_nodes=24, max_depth=5, max_rank=1,
+                                                                   prior_drafter_cost=0.01, prior_verify_slope=0.005, measure_costs=False)),
     }
 
 
@@ -142,11 +159,13 @@ def _broken(models, broken, n):
     if broken == "middle_residual":
         return _check(models, "vertical_2", "temperature", n,
                       drafter=lambda: MiddleResidualCascade([SmallLMDrafter(close, k=5), SmallLMDrafter(far, k=2)]))
+    if broken == "sibling_vs_p":  # deterministic siblings: Token Recycling's tree
+        return _check(models, "tree_recycling", "temperature", n, verifier=VERIFIERS[broken])
     method = "static_tree" if broken == "mask_off_by_one" else "chain_small_lm"
     return _check(models, method, "temperature", n, verifier=VERIFIERS[broken])
 
 
-@pytest.mark.parametrize("broken", ["q_wrong_position", "middle_residual"])
+@pytest.mark.parametrize("broken", ["q_wrong_position", "middle_residual", "sibling_vs_p"])
 def test_broken_doubles_fail(broken, models):
     samples, p = _broken(models, broken, N_FAST)
     assert p < LEVEL, f"{broken} passed: p={p:.2g}; {samples.depth_report()}"

@@ -9,7 +9,11 @@ and loaded.
 
 A proposal is a chain (``tree=None``: ``k`` rank-1 steps from the last committed token) or a
 static tree (``tree=(w_1, w_2, ...)``: every node at depth d - 1 gets the first ``w_d`` entries
-of its token's row). Drafts are deterministic (``q=None``: one-hot for the verifier), so the
+of its token's row). The table also keeps the verifier's probability of each entry (raw
+softmax, when it was recorded); with ``min_prob`` > 0 a path stops where the product of those
+probabilities along it falls below ``min_prob`` (on CPUs, where every verified token costs,
+drafting only where the verifier was confident pays; the recorded probability is from another
+context, so this is a heuristic, and it cannot affect which tokens are emitted). Drafts are deterministic (``q=None``: one-hot for the verifier), so the
 drafter is lossless under sampling too, whatever the table holds. Unknown rows (tokens never
 seen as an input) end a path; with an empty table the proposal is empty (a plain step, which
 fills the row of the last token).
@@ -35,11 +39,15 @@ class TokenRecyclingDrafter(Drafter):
     kind = "token_recycling"
 
     def __init__(self, r: int = 8, k: int = 4, tree: tuple[int, ...] | list[int] | None = None,
-                 table: str | None = None, vocab_size: int | None = None, name: str = "recycling") -> None:
+                 min_prob: float = 0.0, table: str | None = None, vocab_size: int | None = None,
+                 name: str = "recycling") -> None:
         """r: tokens kept per row. k: chain length (``tree=None``). tree: children per node at
         each depth (each <= r); the tree's depth is ``len(tree)``. table: a file written by
-        ``save`` to start from (the vocabulary must match). vocab_size: allocate the table now
-        (otherwise at ``check_compatible``, from the target)."""
+        ``save`` to start from (the vocabulary must match). min_prob: stop a path whose recorded
+        probability falls below it (0: never). vocab_size: allocate the table now (otherwise at
+        ``check_compatible``, from the target)."""
+        if not 0.0 <= min_prob < 1.0:
+            raise ValueError(f"min_prob must lie in [0, 1), got {min_prob}")
         if r < 1:
             raise ValueError(f"r (tokens per table row) must be >= 1, got {r}")
         if tree is None and k < 1:
@@ -48,9 +56,10 @@ class TokenRecyclingDrafter(Drafter):
             tree = tuple(int(w) for w in tree)
             if not tree or any(not 1 <= w <= r for w in tree):
                 raise ValueError(f"tree widths must lie in 1..r={r}, got {tree}")
-        self.r, self.tree, self.name = r, tree, name
+        self.r, self.tree, self.name, self.min_prob = r, tree, name, min_prob
         self.k = len(tree) if tree is not None else k
         self.table: torch.Tensor | None = None  # [V, r] int64, UNKNOWN where unseen
+        self.probs: torch.Tensor | None = None  # [V, r] float32, the verifier's probability of each entry
         if vocab_size is not None:
             self._allocate(vocab_size)
         if table is not None:
@@ -59,6 +68,7 @@ class TokenRecyclingDrafter(Drafter):
     # ---- table -------------------------------------------------------------------------------
     def _allocate(self, vocab_size: int) -> None:
         self.table = torch.full((vocab_size, self.r), UNKNOWN, dtype=torch.long)
+        self.probs = torch.zeros((vocab_size, self.r), dtype=torch.float32)
 
     def check_compatible(self, target: CausalLM) -> None:
         if self.table is None:
@@ -78,7 +88,7 @@ class TokenRecyclingDrafter(Drafter):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save({"r": self.r, "table": self.table}, tmp)
+        torch.save({"r": self.r, "table": self.table, "probs": self.probs}, tmp)
         tmp.replace(path)
 
     def load(self, path: str | Path) -> None:
@@ -94,15 +104,20 @@ class TokenRecyclingDrafter(Drafter):
         if self.table is not None and self.table.shape[0] != table.shape[0]:
             raise ValueError(f"{path}: {table.shape[0]} rows, expected {self.table.shape[0]}")
         self.table = table[:, : self.r].clone()
+        self.probs = saved["probs"][:, : self.r].clone().float()
 
     def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
                 hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
         """Overwrite the rows of the verified inputs with the verifier's top-r after each."""
         if scored is None or self.table is None:
             return
-        top = torch.topk(scored.logits.detach(), min(self.r, scored.logits.shape[-1]), dim=-1).indices  # [n+1, r']
+        logits = scored.logits.detach().float()  # [n+1, V]
+        top = torch.topk(logits, min(self.r, logits.shape[-1]), dim=-1)  # [n+1, r']
+        probs = torch.exp(top.values - torch.logsumexp(logits, -1, keepdim=True))  # softmax of the top entries only
         rows = torch.tensor(scored.inputs, dtype=torch.long)
-        self.table[rows, : top.shape[-1]] = top.to("cpu", torch.long)  # a repeated input: the last row wins
+        r = top.indices.shape[-1]
+        self.table[rows, :r] = top.indices.to("cpu", torch.long)  # a repeated input: the last row wins
+        self.probs[rows, :r] = probs.to("cpu")
 
     # ---- drafting ------------------------------------------------------------------------------
     def propose(self, context: list[int], budget: int) -> DraftBlock:
@@ -111,16 +126,16 @@ class TokenRecyclingDrafter(Drafter):
         widths = self.tree if self.tree is not None else (1,) * self.k
         tokens: list[int] = []
         parents: list[int] = []
-        frontier = [(-1, context[-1])]  # (node index, its token); -1 = the root
+        frontier = [(-1, context[-1], 1.0)]  # (node index, its token, recorded path probability); -1 = the root
         for width in widths[: min(budget, len(widths))]:
             nxt = []
-            for node, token in frontier:
-                for child in self.table[token, :width].tolist():
-                    if child == UNKNOWN:
-                        break
+            for node, token, reach in frontier:
+                for child, prob in zip(self.table[token, :width].tolist(), self.probs[token, :width].tolist()):
+                    if child == UNKNOWN or reach * prob < self.min_prob:
+                        break  # entries are in decreasing probability: the rest are lower
                     tokens.append(child)
                     parents.append(node)
-                    nxt.append((len(tokens) - 1, child))
+                    nxt.append((len(tokens) - 1, child, reach * prob))
             frontier = nxt
             if not frontier:
                 break

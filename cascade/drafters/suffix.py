@@ -178,14 +178,13 @@ def corpus_datastore(target: CausalLM, names: list[str]) -> Datastore:
     from cascade.data import corpus  # the prompt sets' module: only needed when a corpus is named
     from cascade.models.zoo import cache_root
 
-    if target.tokenizer is None:
-        raise ValueError("a corpus datastore needs the target's tokenizer (the tiny test models have none: pass datastore=)")
     texts = [t for name in names for t in corpus(name)]
+    target.encode(texts[0])  # refuses a model that cannot tokenize text, before anything is built
     h = hashlib.sha256()
     for t in texts:
         h.update(t.encode())
         h.update(b"\0")
-    h.update(str(sorted(target.tokenizer.get_vocab().items())[:2000]).encode())
-    h.update(str(len(target.tokenizer)).encode())
+    tok = target.tokenizer  # the key must change when the tokenization does
+    h.update(repr(("bytes", target.vocab_size) if tok is None else (len(tok), sorted(tok.get_vocab().items()))).encode())
     key = f"{'+'.join(names)}-{h.hexdigest()[:16]}"
     return Datastore.cached(key, lambda: [target.encode(t) for t in texts], cache_root() / "datastores")
