@@ -34,5 +34,7 @@ def table(root: str | Path) -> tuple[pd.DataFrame, list[Path]]:
                 "dir": str(job.dir), "experiment": job.summary.get("experiment"), "method": name,
                 "target": cfg.get("models", {}).get("target"), "dataset": cfg.get("dataset", {}).get("name"),
                 **job.params, **{k: m.get(k) for k in COLUMNS},
+                # per prompt category (dataset=mixed): speedup[CATEGORY] and tau[CATEGORY]
+                **{f"{k}[{c}]": v[k] for c, v in (m.get("by_category") or {}).items() for k in ("speedup", "tau")},
             })
     return pd.DataFrame(rows), incomplete

@@ -14,8 +14,11 @@ Methods (backend ``--dtype``, default auto = fp16w on these CPUs, for target and
     recycling_tree      Token Recycling static tree, widths (2, 1, 1) (6 nodes), min_prob 0.3
     suffix              suffix lookup: HumanEval / GSM8K corpora (disjoint from the prompts) + the context
     chain_0.5b          the 0.5B small LM, chain k=5
-    csd_0.5b<-recycling vertical cascade: the 0.5B (k=6) drafted by Token Recycling (k=3; its own
-                        table, learned from the 0.5B's inner verifications)
+    csd_0.5b<-recycling vertical cascade: the 0.5B (k=--cascade-k, default 5 as the chain: under
+                        greedy the cascade hands up exactly the 0.5B's own tokens, so the same k
+                        gives the same τ and only the cost differs) drafted by Token Recycling
+                        (k=3, min_prob --bottom-min-prob; its own table, learned from the 0.5B's
+                        inner verifications)
     csd_0.5b<-suffix    the same with suffix lookup as the bottom level
     dytc                DyTC tree over the 0.5B, Token Recycling and suffix lookup
 
@@ -50,7 +53,7 @@ from cascade.tree_drafter import DynamicTreePolicy, TreeDrafter
 CORPORA = ["humaneval_solutions", "gsm8k_answers"]
 
 
-def build_methods(small, target) -> dict:
+def build_methods(small, target, cascade_k: int = 5, bottom_min_prob: float = 0.5) -> dict:
     suffix = lambda k: SuffixDrafter(corpus=CORPORA, k=k)  # noqa: E731
     methods = {
         "ar": None,
@@ -60,8 +63,9 @@ def build_methods(small, target) -> dict:
         "recycling_tree": TokenRecyclingDrafter(r=8, tree=(2, 1, 1), min_prob=0.3),
         "suffix": suffix(8),
         "chain_0.5b": SmallLMDrafter(small, k=5),
-        "csd_0.5b<-recycling": VerticalCascade([SmallLMDrafter(small, k=6), TokenRecyclingDrafter(r=8, k=3)]),
-        "csd_0.5b<-suffix": VerticalCascade([SmallLMDrafter(small, k=6), suffix(3)]),
+        "csd_0.5b<-recycling": VerticalCascade([SmallLMDrafter(small, k=cascade_k),
+                                                TokenRecyclingDrafter(r=8, k=3, min_prob=bottom_min_prob)]),
+        "csd_0.5b<-suffix": VerticalCascade([SmallLMDrafter(small, k=cascade_k), suffix(3)]),
         "dytc": TreeDrafter([SmallLMDrafter(small), TokenRecyclingDrafter(r=8, k=1), suffix(1)], DynamicTreePolicy(max_nodes=12)),
     }
     for d in methods.values():
@@ -87,6 +91,8 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--warm", type=int, default=1, help="held-out prompts per category decoded first by recycling drafters")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--cascade-k", type=int, default=5, help="the 0.5B's k inside the cascades (the chain's is 5)")
+    ap.add_argument("--bottom-min-prob", type=float, default=0.5, help="min_prob of Token Recycling as a cascade's bottom level")
     ap.add_argument("--methods", default=None, help="comma-separated subset (ar is always run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON of the per-category rows")
@@ -98,7 +104,7 @@ def main() -> None:
     small = load_model(args.small, dtype=args.dtype)
     prompt_set = load_prompts("mixed", per_category=args.per_category)
     prompts = [encode(target, p) for p in prompt_set]
-    methods = build_methods(small, target)
+    methods = build_methods(small, target, args.cascade_k, args.bottom_min_prob)
     if args.methods:
         keep = {"ar", *args.methods.split(",")}
         methods = {k: v for k, v in methods.items() if k in keep}
@@ -138,7 +144,8 @@ def main() -> None:
             print(f"{casc}: {rows[casc]['overall']['speedup']:.2f}x vs chain_0.5b {rows['chain_0.5b']['overall']['speedup']:.2f}x overall")
 
     config = {"target": args.target, "small": args.small, "dtype": args.dtype, "per_category": args.per_category,
-              "warm": args.warm, "max_new_tokens": args.max_new_tokens, "prompts": [p.id for p in prompt_set]}
+              "warm": args.warm, "max_new_tokens": args.max_new_tokens, "cascade_k": args.cascade_k,
+              "bottom_min_prob": args.bottom_min_prob, "prompts": [p.id for p in prompt_set]}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(args.out + ".tmp")

@@ -83,12 +83,12 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,6,8,12,16,24,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backends", default="bf16,fp32,fp32+oneDNN,fp16w")
+    ap.add_argument("--backends", default="bf16,fp32,fp32+oneDNN,fp16w,dispatch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     known = {"bf16": dict(dtype="bfloat16"), "fp32": dict(dtype="float32"), "fp32+oneDNN": dict(dtype="float32", onednn=True),
-             "fp16w": dict(dtype="fp16w")}
+             "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))

@@ -131,3 +131,21 @@ def test_replay_refuses_what_it_cannot_replay(tmp_path):
     _run(job, "+experiment=csd_two_level", "debug=tiny", f"output_dir={job}", "progress=false", "warmup=false")
     with pytest.raises(GatherError, match="single-drafter chain"):
         trace_from_job(load_jobs(job)[0][0])
+
+
+def test_per_category_columns_and_figure(tmp_path):
+    """A prompt set with categories gives speedup[CATEGORY] / tau[CATEGORY] columns, and the
+    speedup-by-category figure draws one bar per method and category."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ab ab ab", "category": "code"}\n{"prompt": "xyz", "category": "chat"}\n')
+    job = tmp_path / "sweep" / "0_x"
+    _run(job, "+experiment=token_recycling", "debug=tiny", "dataset.name=jsonl", f"dataset.path={prompts}", "dataset.num_prompts=null",
+         "dataset.max_new_tokens=8", f"output_dir={job}", "progress=false")
+    df, _ = table(tmp_path / "sweep")
+    row = df[df.method == "token_recycling"].iloc[0]
+    assert {"speedup[code]", "speedup[chat]", "tau[code]", "tau[chat]"} <= set(df.columns)
+    assert row["tau[code]"] >= 1.0 and (df[df.method == "ar"]["speedup[chat]"] == 1.0).all()
+    fig, paths = figures.speedup_by_category({"a": [1.2, 0.9, 1.0], "b": [1.1, 1.3, 1.2]}, ["code", "chat", "overall"], "t", tmp_path)
+    _check_image(paths)
+    ax = fig.axes[0]
+    assert len(ax.patches) == 6 and [t.get_text() for t in ax.get_xticklabels()] == ["code", "chat", "overall"]

@@ -9,13 +9,34 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
-from cascade.models.cpu_kernels import fbgemm_available, use_fp16_weight_linears, use_onednn_linears
+from cascade.models.cpu_kernels import (KernelPlan, fbgemm_available, use_dispatch_linears, use_fp16_weight_linears,
+                                        use_onednn_linears)
 from cascade.models.devices import resolve_device, resolve_dtype
 from cascade.models.lm import CausalLM
 from cascade.models.quantize import bitsandbytes_config, quantize_int8_dynamic, resolve_method
 from cascade.models.tiny import tiny_llama
 
 log = logging.getLogger(__name__)
+
+
+def kernel_plan_path() -> Path:
+    """Where the per-(shape, rows) kernel calibration of this CPU is cached: keyed by the CPU
+    model, the thread count and the torch version (what the timings depend on), shared by every
+    model (a plan is per weight shape, not per model)."""
+    import re
+    from importlib.metadata import version
+
+    name = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        name = m.group(1) if m else name
+    except OSError:
+        pass
+    name += "-bf16" if cpu_has_native_bf16() else ""
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+    return zoo.cache_root() / "kernel_plans" / f"{slug}-t{torch.get_num_threads()}-torch{version('torch')}.json"
+
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
@@ -76,16 +97,22 @@ def load_model(
     weights in fp16 and multiplies in fp32 through FBGEMM (a layer whose weights fp16 cannot hold
     exactly keeps fp32; logged). ``dtype="auto"`` picks the backend (:func:`auto_backend`).
 
+    ``dtype="dispatch"`` (CPU only) runs each linear layer, per forward, through the exact kernel
+    that a calibration on this CPU found fastest for its shape and the forward's row count
+    (FBGEMM fp16 weights or oneDNN fp32; ``cpu_kernels.use_dispatch_linears``), cached in
+    :func:`kernel_plan_path` and logged; a layer keeps a second copy of its weight only where a
+    second kernel wins some row count.
+
     ``quantize`` ("auto", "int8_dynamic" on CPU, "nf4" on CUDA; see ``cascade.models.quantize``)
     loads a quantized copy, for drafters. int8_dynamic loads fp32 whatever ``dtype`` says.
     """
     device = resolve_device(device)
     if dtype == "auto":  # (a quantized load chooses its own dtype)
         dtype, onednn = auto_backend(device) if quantize is None else (torch.float32, False)
-    fp16w = dtype == "fp16w"
-    if fp16w:
+    backend = dtype if dtype in ("fp16w", "dispatch") else None
+    if backend is not None:
         if device.type != "cpu" or onednn or quantize is not None:
-            raise ValueError("dtype='fp16w' is a CPU backend of its own (not with onednn, quantize or CUDA)")
+            raise ValueError(f"dtype={backend!r} is a CPU backend of its own (not with onednn, quantize or CUDA)")
         dtype = torch.float32
     dtype = resolve_dtype(dtype)
     if onednn and (dtype != torch.float32 or device.type != "cpu"):
@@ -97,7 +124,14 @@ def load_model(
     lm = _load(name_or_path, dtype, device)
     if onednn:
         use_onednn_linears(lm.model)
-    if fp16w:
+    if backend == "dispatch":
+        plan = KernelPlan.load(kernel_plan_path())
+        chosen = use_dispatch_linears(lm.model, plan, log=lambda key, ms: log.info("calibrated %s: %s ms", key, ms))
+        for key, choice in chosen.items():
+            log.info("%s: linear %s runs %s", lm.name, key,
+                     ", ".join(f"<={b} rows {k}" for b, k in zip((1, 2, 4, 8, 16, 32, 64, "inf"), choice)))
+        log.info("kernel plan: %s", plan.path)
+    if backend == "fp16w":
         swapped, kept = use_fp16_weight_linears(lm.model)
         log.info("%s: %d linear layers on FBGEMM fp16 weights", lm.name, swapped)
         if kept:
