@@ -14,6 +14,18 @@ from cascade.drafters.base import Drafter
 from cascade.types import DraftBlock
 
 
+def lookup_context(context: list[int], n: int, budget: int) -> list[int]:
+    """Prompt lookup: up to ``budget`` tokens that followed the most recent earlier occurrence of
+    the context's last ``n`` tokens ([] when there is none)."""
+    pattern = context[-n:]
+    last = len(context) - n  # start of the pattern itself; matches must start before it
+    first = pattern[0]
+    for i in range(last - 1, -1, -1):
+        if context[i] == first and context[i : i + n] == pattern:
+            return context[i + n : i + n + budget]
+    return []
+
+
 class NGramDrafter(Drafter):
     kind = "ngram"
     """Prompt lookup decoding (Saxena, 2023), with a fallback corpus table.
@@ -47,19 +59,10 @@ class NGramDrafter(Drafter):
                 # first occurrence wins: a table is a fixed prior, not a recency cache
                 self.table.setdefault(tuple(seq[i : i + n]), seq[i + n : i + n + self.k])
 
-    def _lookup_context(self, context: list[int], n: int, budget: int) -> list[int]:
-        pattern = context[-n:]
-        last = len(context) - n  # start of the pattern itself; matches must start before it
-        first = pattern[0]
-        for i in range(last - 1, -1, -1):
-            if context[i] == first and context[i : i + n] == pattern:
-                return context[i + n : i + n + budget]
-        return []
-
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         budget = min(budget, self.k)
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            found = self._lookup_context(context, n, budget)
+            found = lookup_context(context, n, budget)
             if found:
                 return DraftBlock(torch.tensor(found, dtype=torch.long), None, self.name)
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):

@@ -30,7 +30,7 @@ import torch
 
 from cascade.drafters.base import Drafter
 from cascade.models.lm import CausalLM
-from cascade.types import DraftBlock, DrafterInfo, Scored, VerifyResult
+from cascade.types import DraftBlock, Scored, VerifyResult
 
 UNKNOWN = -1
 
@@ -140,9 +140,6 @@ class TokenRecyclingDrafter(Drafter):
             if not frontier:
                 break
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), None, self.name, parents=parents)
-
-    def describe(self) -> DrafterInfo:
-        return DrafterInfo(self.kind, self.name, self.budget)
 
     @property
     def budget(self) -> int:

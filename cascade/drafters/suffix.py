@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from cascade.drafters.base import Drafter
+from cascade.drafters.ngram import lookup_context
 from cascade.models.lm import CausalLM
 from cascade.types import DraftBlock
 
@@ -154,17 +155,10 @@ class SuffixDrafter(Drafter):
         if self.datastore is None and self.corpus:
             self.datastore = corpus_datastore(target, self.corpus)
 
-    def _from_context(self, context: list[int], n: int, budget: int) -> list[int]:
-        pattern, last = context[-n:], len(context) - n
-        for i in range(last - 1, -1, -1):
-            if context[i : i + n] == pattern:
-                return context[i + n : i + n + budget]
-        return []
-
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         budget = min(budget, self.k)
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            found = self._from_context(context, n, budget) if self.context and n < len(context) else []
+            found = lookup_context(context, n, budget) if self.context and n < len(context) else []
             if not found and self.datastore is not None:
                 found = self.datastore.continuation(context[-n:], budget, self.max_matches)
             if found:

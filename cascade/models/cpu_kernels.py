@@ -22,6 +22,10 @@ closer to the fp32 product of the canonical weights than transformers' bf16 path
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -159,8 +163,6 @@ def shape_key(linear: nn.Linear) -> str:
 
 
 def _time_ms(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    import time
-
     with torch.no_grad():
         module(x)  # warm-up (first-call packing, page faults)
         times = []
@@ -195,16 +197,11 @@ class KernelPlan:
     what the timings depend on; shared by every model with the same shapes)."""
 
     def __init__(self, path, entries: dict | None = None) -> None:
-        from pathlib import Path
-
         self.path = Path(path)
         self.entries: dict[str, dict] = dict(entries or {})
 
     @classmethod
     def load(cls, path) -> "KernelPlan":
-        import json
-        from pathlib import Path
-
         path = Path(path)
         if not path.is_file():
             return cls(path)
@@ -214,8 +211,6 @@ class KernelPlan:
         return cls(path, data["shapes"])
 
     def save(self) -> None:
-        import json
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps({"buckets": list(ROW_BUCKETS), "shapes": self.entries}, indent=1))
