@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
-from cascade.models.cpu_kernels import (KernelPlan, fbgemm_available, use_dispatch_linears, use_fp16_weight_linears,
+from cascade.models.cpu_kernels import (ROW_BUCKETS, KernelPlan, fbgemm_available, use_dispatch_linears, use_fp16_weight_linears,
                                         use_onednn_linears)
 from cascade.models.devices import resolve_device, resolve_dtype
 from cascade.models.lm import CausalLM
@@ -129,7 +129,7 @@ def load_model(
         chosen = use_dispatch_linears(lm.model, plan, log=lambda key, ms: log.info("calibrated %s: %s ms", key, ms))
         for key, choice in chosen.items():
             log.info("%s: linear %s runs %s", lm.name, key,
-                     ", ".join(f"<={b} rows {k}" for b, k in zip((1, 2, 4, 8, 16, 32, 64, "inf"), choice)))
+                     ", ".join(f"<={b} rows {k}" for b, k in zip(ROW_BUCKETS[:-1] + ("inf",), choice)))
         log.info("kernel plan: %s", plan.path)
     if backend == "fp16w":
         swapped, kept = use_fp16_weight_linears(lm.model)
