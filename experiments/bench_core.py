@@ -10,6 +10,10 @@ same prompts (methods interleaved per prompt, after a warm-up of each):
   hf_assisted   transformers model.generate(assistant_model=drafter) with its default settings
   hf_pld        transformers model.generate(prompt_lookup_num_tokens=...)
   sps_int8      cascade.generate + SmallLMDrafter on the int8 (dynamic, FBGEMM) drafter
+  sps_head / sps_int8_head
+                the same drafters with the LM head cut to the --head-vocab token ids most
+                frequent in the HumanEval-solutions + GSM8K-answers corpora (FR-Spec;
+                cascade.drafters.frequent_head; weights shared with sps / sps_int8)
   hf_ar_stock / hf_assisted_stock
                 transformers' generate on a stock bf16 copy of the target (and bf16 drafter):
                 what a user gets today, next to hf_ar on the same swapped modules as ours
@@ -34,7 +38,7 @@ import torch
 
 from cascade import generate, load_model
 from cascade.data import encode_prompt, load_prompts
-from cascade.drafters import NGramDrafter, SmallLMDrafter
+from cascade.drafters import NGramDrafter, SmallLMDrafter, frequent_head
 from cascade.metrics import summarize
 
 
@@ -62,9 +66,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="target dtype: bfloat16, float32, fp16w (FBGEMM fp16 weights), auto")
     ap.add_argument("--onednn", action="store_true", help="fp32 target with oneDNN linears (see cascade.models.cpu_kernels)")
     ap.add_argument("--drafter-dtype", default="bfloat16", help="small-LM drafter dtype (same names)")
+    ap.add_argument("--head-vocab", type=int, default=32768, help="kept token ids of the *_head drafters' LM head")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", default="ar,sps,pld,hf_ar,hf_assisted,hf_pld",
-                    help="comma-separated subset of ar,sps,sps_int8,pld,hf_ar,hf_assisted,hf_pld,hf_ar_stock,hf_assisted_stock "
+                    help="comma-separated subset of ar,sps,sps_int8,sps_head,sps_int8_head,pld,hf_ar,hf_assisted,hf_pld,hf_ar_stock,hf_assisted_stock "
                          "(ar is always run)")
     ap.add_argument("--json", help="write the full results here")
     args = ap.parse_args()
@@ -77,8 +82,13 @@ def main() -> None:
     sps = SmallLMDrafter(draft_lm, k=args.k, stop_below=args.stop_below)
     pld = NGramDrafter(k=args.pld_k, max_ngram=args.pld_ngram)
     ours = {"ar": None, "sps": sps, "pld": pld}
+    int8_lm = load_model(args.drafter, quantize="int8_dynamic") if chosen & {"sps_int8", "sps_int8_head"} else None
     if "sps_int8" in chosen:
-        ours["sps_int8"] = SmallLMDrafter(load_model(args.drafter, quantize="int8_dynamic"), k=args.k, stop_below=args.stop_below)
+        ours["sps_int8"] = SmallLMDrafter(int8_lm, k=args.k, stop_below=args.stop_below)
+    if "sps_head" in chosen:
+        ours["sps_head"] = SmallLMDrafter(frequent_head(draft_lm, args.head_vocab), k=args.k, stop_below=args.stop_below)
+    if "sps_int8_head" in chosen:
+        ours["sps_int8_head"] = SmallLMDrafter(frequent_head(int8_lm, args.head_vocab), k=args.k, stop_below=args.stop_below)
     stock = stock_draft = None
     if chosen & {"hf_ar_stock", "hf_assisted_stock"}:
         stock = load_model(args.target, dtype="bfloat16")
@@ -114,24 +124,25 @@ def main() -> None:
         tokens, secs = sum(len(t) for t, _ in runs), sum(s for _, s in runs)
         rows[name] = {"tokens_per_s": tokens / secs, "new_tokens": tokens, "wall_time_s": secs}
     base = rows["ar"]["tokens_per_s"]
-    counterpart = {"ar": "hf_ar", "sps": "hf_assisted", "sps_int8": "hf_assisted", "pld": "hf_pld"}
+    counterpart = {"ar": "hf_ar", "sps": "hf_assisted", "sps_int8": "hf_assisted", "sps_head": "hf_assisted",
+                   "sps_int8_head": "hf_assisted", "pld": "hf_pld"}
 
     print(f"\ntarget {args.target}, drafter {args.drafter}, {args.dataset} x{len(prompts)}, greedy, "
           f"{args.max_new_tokens} new tokens, target {'fp32+oneDNN' if args.onednn else args.dtype}, "
           f"drafter {args.drafter_dtype}, {args.threads} threads")
-    print(f"{'method':12s} {'tok/s':>7s} {'tau':>5s} {'alpha':>6s} {'c':>6s} {'speedup':>8s} {'vs HF':>6s} {'outside fwd':>11s}")
+    print(f"{'method':17s} {'tok/s':>7s} {'tau':>5s} {'alpha':>6s} {'c':>6s} {'speedup':>8s} {'vs HF':>6s} {'outside fwd':>11s}")
     for name, r in rows.items():
         c = next(iter(r.get("c_by_drafter", {}).values()), None)
         vs_hf = f"{r['tokens_per_s'] / rows[counterpart[name]]['tokens_per_s']:.2f}x" if counterpart.get(name) in rows else ""
         print(
-            f"{name:12s} {r['tokens_per_s']:7.2f} {r.get('tau', float('nan')):5.2f} "
+            f"{name:17s} {r['tokens_per_s']:7.2f} {r.get('tau', float('nan')):5.2f} "
             f"{r['alpha'] if r.get('alpha') is not None else float('nan'):6.3f} {c if c is not None else float('nan'):6.3f} "
             f"{r['tokens_per_s'] / base:7.2f}x {vs_hf:>6s} {100 * r.get('overhead_frac', float('nan')):10.2f}%"
         )
     per_prompt = {n: [len(g.tokens) / g.wall_time_s for g in gs] for n, gs in gens.items()}
     print("median per-prompt tok/s: " + ", ".join(f"{n} {statistics.median(v):.2f}" for n, v in per_prompt.items()))
     divergences = []
-    spec = [n for n in ("sps", "sps_int8", "pld") if n in gens]
+    spec = [n for n in ("sps", "sps_int8", "sps_head", "sps_int8_head", "pld") if n in gens]
     for name in spec:
         for ids, a, b in zip(prompts, gens["ar"], gens[name]):
             j = next((j for j, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)

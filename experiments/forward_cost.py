@@ -8,6 +8,14 @@ the largest k, the attention projections (q, k, v, o), the rest of attention (Ro
 softmax-weighted sum over the cache), the MLP, the LM head and everything else (embedding,
 norms, framework), with forward hooks (they add a little overhead of their own).
 
+The roofline (``--roofline``, on by default) measures this machine's memory read bandwidth (a
+sum over 1 GiB) and its arithmetic peak (the faster of fp32 sgemm at 2048^3 and FBGEMM's
+fp16-weight GEMM at 512 rows), counts the model's linear weights, and prints the floor
+``theory.forward_floor_s`` for every k (16-bit weights read once, arithmetic at the measured
+peak), each backend's time over that floor, and the 1-token forward's tokens per second as a
+fraction of the bandwidth bound. Where the floor's own k-token / 1-token ratio is above a goal,
+no exact kernel can meet that goal on this machine.
+
     python experiments/forward_cost.py --model qwen2.5-coder-1.5b
 """
 
@@ -19,8 +27,52 @@ import time
 from collections import defaultdict
 
 import torch
+import transformers
 
 from cascade import load_model
+from cascade.theory import forward_floor_s
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second this machine reads from memory: a sum over ``gib`` GiB of fp32 (far
+    larger than any cache), on the threads torch is set to use."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    seconds = _median_s(lambda: x.sum(), repeats)
+    return x.numel() * 4 / seconds
+
+
+def peak_flops(repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of the two dense kernels this project's exact backends run, on shapes large
+    enough to be compute-bound: fp32 sgemm 2048^3 and FBGEMM's fp16-weight GEMM at 512 rows of
+    a 1536 -> 8960 projection (the 1.5B's gate/up shape)."""
+    out = {}
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    out["sgemm"] = 2 * 2048 ** 3 / _median_s(lambda: a @ b, repeats)
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(8960, 1536) * 0.02, None)
+        x = torch.randn(512, 1536)
+        out["fbgemm_fp16w"] = 2 * 512 * 1536 * 8960 / _median_s(lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed), repeats)
+    return out
+
+
+def linear_params(lm) -> int:
+    """Weights of every linear layer (LM head included), whatever module type holds them:
+    what one forward multiplies by, per token."""
+    total = 0
+    for module in lm.model.modules():
+        if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+            total += module.in_features * module.out_features
+    return total
 
 
 def forward_times(lm, ks, repeats: int) -> dict[int, float]:
@@ -80,31 +132,67 @@ def component_times(lm, k: int, repeats: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--ks", default="1,2,4,6,8,12,16,24,32")
+    ap.add_argument("--ks", default="1,2,4,5,6,8,9,12,16,24,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backends", default="bf16,fp32,fp32+oneDNN,fp16w,dispatch")
+    ap.add_argument("--backends", default="bf16,fp32,fp32+oneDNN,fp16w,dispatch,int8")
+    ap.add_argument("--no-roofline", dest="roofline", action="store_false",
+                    help="skip measuring bandwidth and peak FLOP/s (about 10 s and 1 GiB of memory)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()  # a loading bar per backend would bury the table
     ks = [int(k) for k in args.ks.split(",")]
     known = {"bf16": dict(dtype="bfloat16"), "fp32": dict(dtype="float32"), "fp32+oneDNN": dict(dtype="float32", onednn=True),
-             "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch")}
+             "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch"), "int8": dict(quantize="int8_dynamic")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
-    components = {}
+    components, all_times, params = {}, {}, None
     for name, kwargs in backends.items():
         lm = load_model(args.model, **kwargs)
-        times = forward_times(lm, ks, args.repeats)
+        params = params or linear_params(lm)
+        times = all_times[name] = forward_times(lm, ks, args.repeats)
         print(f"{name:12s} " + " ".join(f"{1000 * times[k]:7.0f} ({times[k] / times[1]:4.2f})" for k in ks), flush=True)
         components[name] = {k: component_times(lm, k, args.repeats) for k in (ks[0], ks[-1])}
         del lm
+    if args.roofline:
+        print_roofline(ks, all_times, params)
     keys = ["attn_proj", "attn_core", "mlp", "lm_head", "other", "total"]
     print("\nms per forward by component (hooks add some overhead; other = embedding, norms, framework)")
     print(f"{'backend':12s} {'k':>3s} " + " ".join(f"{c:>9s}" for c in keys))
     for name, by_k in components.items():
         for k, comp in by_k.items():
             print(f"{name:12s} {k:3d} " + " ".join(f"{1000 * comp[c]:9.1f}" for c in keys))
+
+
+
+# bytes each backend streams per linear weight (dispatch: fp16 copies; int8: one byte plus a
+# scale per tensor)
+BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "int8": 1}
+
+
+def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params: int) -> None:
+    bandwidth, peaks = read_bandwidth(), peak_flops()
+    peak = max(peaks.values())
+    weight_bytes, flops = 2 * params, 2 * params  # 16-bit weights; a multiply-add per weight and token
+    floor = {k: forward_floor_s(k, weight_bytes, flops, bandwidth, peak) for k in ks}
+    print(f"\nroofline: read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 1 GiB); peak "
+          + ", ".join(f"{name} {f / 1e9:.0f}" for name, f in peaks.items()) + " GFLOP/s")
+    print(f"{params / 1e9:.3f} G linear weights: {weight_bytes / 1e9:.2f} GB in 16 bits, {flops / 1e9:.2f} GFLOP per token; "
+          f"bandwidth-bound up to k = {weight_bytes / bandwidth * peak / flops:.1f}")
+    print(f"{'floor':12s} " + " ".join(f"{1000 * floor[k]:7.0f} ({floor[k] / floor[1]:4.2f})" for k in ks))
+    print("time / floor (the floor of 16-bit weights; int8 streams half those bytes)")
+    for name, times in all_times.items():
+        print(f"{name:12s} " + " ".join(f"{times[k] / floor[k]:14.2f}" for k in ks))
+    for name, times in all_times.items():
+        own = BYTES_PER_WEIGHT.get(name, 2)
+        bound = bandwidth / (own * params)
+        print(f"{name}: 1-token forward {1 / times[1]:.2f} tok/s = {100 / times[1] / bound:.0f}% of the bandwidth bound for its "
+              f"{own}-byte weights ({bound:.2f} tok/s)")
+    for k, goal in ((5, 1.3), (9, 1.6)):
+        if k in floor:
+            print(f"goal {k}-token <= {goal}x the 1-token forward: the floor's own ratio is {floor[k] / floor[1]:.2f}; "
+                  + ", ".join(f"{name} {times[k] / times[1]:.2f}" for name, times in all_times.items()))
 
 
 if __name__ == "__main__":

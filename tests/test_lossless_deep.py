@@ -21,6 +21,7 @@ from cascade.drafters import (ConfidenceStop, Datastore, LayerSkipDrafter, NGram
                               SuffixDrafter, ThompsonStop, TokenRecyclingDrafter)
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
+from cascade.models.pruned_head import prune_head
 from cascade.sampling import logits_to_probs
 from cascade.tree_drafter import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy, TreeDrafter
 from cascade.types import SamplingConfig
@@ -70,6 +71,8 @@ def methods(target, close, far):
         "chain_layer_skip": lambda: LayerSkipDrafter(2, k=5),
         "chain_kangaroo": lambda: LayerSkipDrafter(2, k=5, adapter=ExitAdapter.from_target(target, 2)),
         "chain_quantized": lambda: QuantizedLMDrafter(close, "int8_dynamic", k=5),
+        # a drafter that cannot propose token 3 (LM head cut to 4 of 5 ids: q has structural zeros)
+        "chain_pruned_head": lambda: SmallLMDrafter(prune_head(close, torch.tensor([0, 1, 2, 4])), k=5),
         "chain_confidence_stop": lambda: SmallLMDrafter(close, k=5, stop=ConfidenceStop(0.3)),
         "chain_thompson_stop": lambda: SmallLMDrafter(close, k=5, stop=ThompsonStop(0.3)),
         "vertical_2": lambda: VerticalCascade([SmallLMDrafter(close, k=5), SmallLMDrafter(far, k=2)]),

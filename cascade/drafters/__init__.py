@@ -1,6 +1,7 @@
 """Drafters: the protocol, the built-in drafters and their stop policies."""
 
 from cascade.drafters.base import Drafter
+from cascade.drafters.frequent_head import frequent_head
 from cascade.drafters.layer_skip import LayerSkipDrafter
 from cascade.drafters.lm_base import LMDrafter
 from cascade.drafters.ngram import NGramDrafter
@@ -24,4 +25,5 @@ __all__ = [
     "SuffixDrafter",
     "ThompsonStop",
     "TokenRecyclingDrafter",
+    "frequent_head",
 ]
