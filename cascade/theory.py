@@ -95,16 +95,19 @@ def predicted_speedup(alpha: float | None, gamma: float, c: float, verify_cost: 
     return el / (verify_cost + gamma * c)
 
 
-def forward_floor_s(k: int, weight_bytes: float, flops_per_token: float, bandwidth: float, peak_flops: float) -> float:
+def forward_floor_s(k: int, weight_bytes: float, flops_per_token: float, bandwidth: float, peak_flops: float,
+                    overlap: bool = True) -> float:
     """Roofline lower bound on one forward over ``k`` new tokens, in seconds: the weights are
     streamed from memory once (``weight_bytes / bandwidth``, bytes/s) and the arithmetic runs at
     ``peak_flops`` (``k * flops_per_token / peak_flops``); at best the two overlap completely.
     Small k is bandwidth-bound (flat in k), large k compute-bound (linear in k): the ratio of a
     k-token to a 1-token forward cannot fall below ``forward_floor_s(k) / forward_floor_s(1)``
-    on a machine whose 1-token forward runs at the bandwidth bound."""
+    on a machine whose 1-token forward runs at the bandwidth bound. ``overlap=False`` gives the
+    time of a kernel that streams and computes one after the other (the sum of the two)."""
     if k < 1 or weight_bytes <= 0 or flops_per_token <= 0 or bandwidth <= 0 or peak_flops <= 0:
         raise ValueError("forward_floor_s needs k >= 1 and positive bytes, flops, bandwidth and peak")
-    return max(weight_bytes / bandwidth, k * flops_per_token / peak_flops)
+    stream, compute = weight_bytes / bandwidth, k * flops_per_token / peak_flops
+    return max(stream, compute) if overlap else stream + compute
 
 
 def _check_alpha(alpha: float) -> None:

@@ -12,7 +12,8 @@ The roofline (``--roofline``, on by default) measures this machine's memory read
 sum over 1 GiB) and its arithmetic peak (the faster of fp32 sgemm at 2048^3 and FBGEMM's
 fp16-weight GEMM at 512 rows), counts the model's linear weights, and prints the floor
 ``theory.forward_floor_s`` for every k (16-bit weights read once, arithmetic at the measured
-peak), each backend's time over that floor, and the 1-token forward's tokens per second as a
+peak, the two overlapped; and the sum of the two, a kernel that does not overlap them), each
+backend's time over that floor, and the 1-token forward's tokens per second as a
 fraction of the bandwidth bound. Where the floor's own k-token / 1-token ratio is above a goal,
 no exact kernel can meet that goal on this machine.
 
@@ -180,7 +181,10 @@ def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params
           + ", ".join(f"{name} {f / 1e9:.0f}" for name, f in peaks.items()) + " GFLOP/s")
     print(f"{params / 1e9:.3f} G linear weights: {weight_bytes / 1e9:.2f} GB in 16 bits, {flops / 1e9:.2f} GFLOP per token; "
           f"bandwidth-bound up to k = {weight_bytes / bandwidth * peak / flops:.1f}")
+    serial = {k: forward_floor_s(k, weight_bytes, flops, bandwidth, peak, overlap=False) for k in ks}
     print(f"{'floor':12s} " + " ".join(f"{1000 * floor[k]:7.0f} ({floor[k] / floor[1]:4.2f})" for k in ks))
+    print(f"{'no overlap':12s} " + " ".join(f"{1000 * serial[k]:7.0f} ({serial[k] / serial[1]:4.2f})" for k in ks)
+          + "   (streaming, then arithmetic)")
     print("time / floor (the floor of 16-bit weights; int8 streams half those bytes)")
     for name, times in all_times.items():
         print(f"{name:12s} " + " ".join(f"{times[k] / floor[k]:14.2f}" for k in ks))

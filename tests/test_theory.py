@@ -86,5 +86,6 @@ def test_forward_floor_is_bandwidth_then_compute_bound():
     # 3 GB of weights at 30 GB/s = 0.1 s; 3 GFLOP per token at 150 GFLOP/s = 0.02 s per token
     floor = [theory.forward_floor_s(k, 3e9, 3e9, 30e9, 150e9) for k in (1, 5, 6, 10)]
     assert floor == pytest.approx([0.1, 0.1, 0.12, 0.2])
+    assert theory.forward_floor_s(5, 3e9, 3e9, 30e9, 150e9, overlap=False) == pytest.approx(0.2)
     with pytest.raises(ValueError):
         theory.forward_floor_s(0, 3e9, 3e9, 30e9, 150e9)
