@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 
 from cascade.cascades import VerticalCascade
+from cascade.drafters import SmallLMDrafter
 from cascade.sampling import logits_to_probs, sample
 from cascade.tree import children_of, is_chain, tree_positions
-from cascade.types import ACCEPTED, REJECTED, UNJUDGED, VerifyResult
+from cascade.types import ACCEPTED, REJECTED, UNJUDGED, DraftBlock, VerifyResult
 from cascade.verify import Verifier, residual_distribution
 
 EPS = 0.25
@@ -119,3 +120,25 @@ class MiddleResidualCascade(VerticalCascade):
             return super()._inner_round(ctx, budget, deterministic, lower)
         finally:
             self.lower.propose = original
+
+
+class FullQPrunedDrafter(SmallLMDrafter):
+    """Drafts with a pruned-head model (FR-Spec) but reports the q of the full head: the
+    acceptance ratio p/q and the residual use probabilities the draft was not sampled from (an
+    implementation that prunes only the sampling step)."""
+
+    def __init__(self, pruned, full, k):
+        super().__init__(pruned, k=k)
+        self.full = SmallLMDrafter(full, k=k)
+
+    def reset(self, sampling, generator):
+        super().reset(sampling, generator)
+        if hasattr(self, "full"):
+            self.full.reset(sampling, generator)
+
+    def propose(self, context, budget):
+        block = super().propose(context, budget)
+        if block.q is None or block.k == 0:
+            return block
+        logits = self.full.score(context, block.tokens[:-1].tolist())  # [k, V]: after context and each drafted prefix
+        return DraftBlock(block.tokens, logits_to_probs(logits, self.sampling), block.drafter, stop=block.stop)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from broken_doubles import VERIFIERS, MiddleResidualCascade  # noqa: E402
+from broken_doubles import VERIFIERS, FullQPrunedDrafter, MiddleResidualCascade  # noqa: E402
 from cascade.drafters import SmallLMDrafter  # noqa: E402
 from deep_stats import LEVEL  # noqa: E402
 import test_lossless_deep as deep  # noqa: E402
@@ -40,6 +40,8 @@ CASES = [
     ("exact", "chain_suffix"),
     ("exact", "vertical_recycling"),
     ("sibling_vs_p", "tree_recycling"),
+    ("exact", "chain_pruned_head"),
+    ("full_q_pruned", "chain_pruned_head"),
 ]
 _models = None
 
@@ -58,6 +60,8 @@ def _pvalue(job: tuple[str, str, int, int]) -> tuple[str, str, int, float]:
         run_as = "chain_small_lm"
     elif double == "middle_residual":
         drafter = lambda: MiddleResidualCascade([SmallLMDrafter(close, k=5), SmallLMDrafter(far, k=2)])  # noqa: E731
+    elif double == "full_q_pruned":
+        drafter = lambda: FullQPrunedDrafter(deep.prune_head(close, deep.torch.tensor([0, 1, 2, 4])), close, k=5)  # noqa: E731
     _, p = deep._check(_models, run_as, "temperature", n, seed=1000 + seed, verifier=VERIFIERS.get(double), drafter=drafter)
     return double, method, seed, p
 

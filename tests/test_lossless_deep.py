@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from broken_doubles import VERIFIERS, MiddleResidualCascade
+from broken_doubles import VERIFIERS, FullQPrunedDrafter, MiddleResidualCascade
 from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade import generate
 from cascade.drafters import (ConfidenceStop, Datastore, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter,
@@ -165,13 +165,16 @@ def _broken(models, broken, n):
     if broken == "middle_residual":
         return _check(models, "vertical_2", "temperature", n,
                       drafter=lambda: MiddleResidualCascade([SmallLMDrafter(close, k=5), SmallLMDrafter(far, k=2)]))
+    if broken == "full_q_pruned":  # FR-Spec head: sampled from the pruned q, judged with the full one
+        return _check(models, "chain_pruned_head", "temperature", n,
+                      drafter=lambda: FullQPrunedDrafter(prune_head(close, torch.tensor([0, 1, 2, 4])), close, k=5))
     if broken == "sibling_vs_p":  # deterministic siblings: Token Recycling's tree
         return _check(models, "tree_recycling", "temperature", n, verifier=VERIFIERS[broken])
     method = "static_tree" if broken == "mask_off_by_one" else "chain_small_lm"
     return _check(models, method, "temperature", n, verifier=VERIFIERS[broken])
 
 
-@pytest.mark.parametrize("broken", ["q_wrong_position", "middle_residual", "sibling_vs_p"])
+@pytest.mark.parametrize("broken", ["q_wrong_position", "middle_residual", "sibling_vs_p", "full_q_pruned"])
 def test_broken_doubles_fail(broken, models):
     samples, p = _broken(models, broken, N_FAST)
     assert p < LEVEL, f"{broken} passed: p={p:.2g}; {samples.depth_report()}"
