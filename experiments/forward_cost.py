@@ -166,7 +166,6 @@ def main() -> None:
             print(f"{name:12s} {k:3d} " + " ".join(f"{1000 * comp[c]:9.1f}" for c in keys))
 
 
-
 # bytes each backend streams per linear weight (dispatch: fp16 copies; int8: one byte plus a
 # scale per tensor)
 BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "int8": 1}

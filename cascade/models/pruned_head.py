@@ -40,7 +40,7 @@ def rank_by_frequency(sequences: Iterable[Iterable[int]], vocab_size: int) -> to
     vocabulary (e.g. document separators) are ignored. Returns [vocab_size] int64."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for seq in sequences:
-        ids = torch.as_tensor(list(seq) if not isinstance(seq, torch.Tensor) else seq, dtype=torch.int64).reshape(-1)
+        ids = torch.as_tensor(seq if hasattr(seq, "__len__") else list(seq), dtype=torch.int64).reshape(-1)  # list, array or tensor
         ids = ids[(ids >= 0) & (ids < vocab_size)]
         counts += torch.bincount(ids, minlength=vocab_size)
     # stable sort on -count keeps increasing id order among equal counts
