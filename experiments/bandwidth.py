@@ -1,0 +1,62 @@
+"""How fast this machine reads memory, by four probes over 1 GiB (far past any cache), on the
+threads torch is set to use: a sum of fp32, a sum of fp16, a copy of fp32 (bytes read and
+written both counted), and FBGEMM's fp16-weight GEMM on one row over a 1 GiB weight (the kernel
+``dtype="fp16w"`` runs for a one-token forward). ``forward_cost.py``'s roofline uses the first;
+this script shows how far the others agree, and the bound each implies for a model's 16-bit
+weights.
+
+    python experiments/bandwidth.py --model-gb 3.09      # the 1.5B's linear weights in 16 bits
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def probes(repeats: int = 5) -> dict[str, float]:
+    """Bytes per second of each probe."""
+    out = {}
+    x = torch.ones(1 << 28)  # 1 GiB fp32
+    out["sum fp32"] = x.numel() * 4 / _median_s(lambda: x.sum(), repeats)
+    y = torch.empty_like(x)
+    out["copy fp32 (read + write)"] = 2 * x.numel() * 4 / _median_s(lambda: y.copy_(x), repeats)
+    del x, y
+    h = torch.ones(1 << 29, dtype=torch.float16)  # 1 GiB fp16
+    out["sum fp16"] = h.numel() * 2 / _median_s(lambda: h.sum(), repeats)
+    del h
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(32768, 16384) * 0.02, None)  # 1 GiB in fp16
+        v = torch.randn(1, 16384)
+        out["FBGEMM fp16w, 1 row"] = 32768 * 16384 * 2 / _median_s(lambda: torch.ops.quantized.linear_dynamic_fp16(v, packed), repeats)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model-gb", type=float, default=3.09, help="weight bytes one token streams, in GB")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{args.threads} threads, median of {args.repeats}")
+    for name, rate in probes(args.repeats).items():
+        print(f"{name:26s} {rate / 1e9:6.1f} GB/s -> {args.model_gb} GB per token: {1000 * args.model_gb * 1e9 / rate:5.0f} ms "
+              f"({rate / (args.model_gb * 1e9):5.2f} tok/s)")
+
+
+if __name__ == "__main__":
+    main()
