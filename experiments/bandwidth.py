@@ -17,7 +17,8 @@ import time
 import torch
 
 
-def _median_s(fn, repeats: int) -> float:
+def median_s(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
     fn()  # warm-up
     samples = []
     for _ in range(repeats):
@@ -31,17 +32,17 @@ def probes(repeats: int = 5) -> dict[str, float]:
     """Bytes per second of each probe."""
     out = {}
     x = torch.ones(1 << 28)  # 1 GiB fp32
-    out["sum fp32"] = x.numel() * 4 / _median_s(lambda: x.sum(), repeats)
+    out["sum fp32"] = x.numel() * 4 / median_s(lambda: x.sum(), repeats)
     y = torch.empty_like(x)
-    out["copy fp32 (read + write)"] = 2 * x.numel() * 4 / _median_s(lambda: y.copy_(x), repeats)
+    out["copy fp32 (read + write)"] = 2 * x.numel() * 4 / median_s(lambda: y.copy_(x), repeats)
     del x, y
     h = torch.ones(1 << 29, dtype=torch.float16)  # 1 GiB fp16
-    out["sum fp16"] = h.numel() * 2 / _median_s(lambda: h.sum(), repeats)
+    out["sum fp16"] = h.numel() * 2 / median_s(lambda: h.sum(), repeats)
     del h
     if "fbgemm" in torch.backends.quantized.supported_engines:
         packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(32768, 16384) * 0.02, None)  # 1 GiB in fp16
         v = torch.randn(1, 16384)
-        out["FBGEMM fp16w, 1 row"] = 32768 * 16384 * 2 / _median_s(lambda: torch.ops.quantized.linear_dynamic_fp16(v, packed), repeats)
+        out["FBGEMM fp16w, 1 row"] = 32768 * 16384 * 2 / median_s(lambda: torch.ops.quantized.linear_dynamic_fp16(v, packed), repeats)
     return out
 
 

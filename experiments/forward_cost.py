@@ -30,25 +30,16 @@ from collections import defaultdict
 import torch
 import transformers
 
+from bandwidth import median_s  # experiments/ is on sys.path when a script here runs
 from cascade import load_model
 from cascade.theory import forward_floor_s
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second this machine reads from memory: a sum over ``gib`` GiB of fp32 (far
     larger than any cache), on the threads torch is set to use."""
     x = torch.ones(int(gib * (1 << 30)) // 4)
-    seconds = _median_s(lambda: x.sum(), repeats)
+    seconds = median_s(lambda: x.sum(), repeats)
     return x.numel() * 4 / seconds
 
 
@@ -58,11 +49,11 @@ def peak_flops(repeats: int = 5) -> dict[str, float]:
     a 1536 -> 8960 projection (the 1.5B's gate/up shape)."""
     out = {}
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    out["sgemm"] = 2 * 2048 ** 3 / _median_s(lambda: a @ b, repeats)
+    out["sgemm"] = 2 * 2048 ** 3 / median_s(lambda: a @ b, repeats)
     if "fbgemm" in torch.backends.quantized.supported_engines:
         packed = torch.ops.quantized.linear_prepack_fp16(torch.randn(8960, 1536) * 0.02, None)
         x = torch.randn(512, 1536)
-        out["fbgemm_fp16w"] = 2 * 512 * 1536 * 8960 / _median_s(lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed), repeats)
+        out["fbgemm_fp16w"] = 2 * 512 * 1536 * 8960 / median_s(lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed), repeats)
     return out
 
 
@@ -78,7 +69,7 @@ def linear_params(lm) -> int:
 
 def forward_times(lm, ks, repeats: int) -> dict[int, float]:
     cache = lm.new_cache()
-    lm.forward(list(range(100, 300)), cache, keep_last=1)
+    lm.forward([t % lm.vocab_size for t in range(100, 300)], cache, keep_last=1)
     base = lm.cache_len(cache)
     out = {}
     for k in ks:
@@ -111,7 +102,7 @@ def component_times(lm, k: int, repeats: int) -> dict[str, float]:
         timed(layer.mlp, "mlp")
     timed(lm.model.get_output_embeddings(), "lm_head")
     cache = lm.new_cache()
-    lm.forward(list(range(100, 300)), cache, keep_last=1)
+    lm.forward([t % lm.vocab_size for t in range(100, 300)], cache, keep_last=1)
     past = lm.cache_len(cache)
     rows = []
     try:
