@@ -28,11 +28,17 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second this machine reads from memory: a sum over ``gib`` GiB of fp32 (far
+    larger than any cache), on the threads torch is set to use (forward_cost's roofline)."""
+    x = torch.ones(int(gib * (1 << 30)) // 4)
+    return x.numel() * 4 / median_s(lambda: x.sum(), repeats)
+
+
 def probes(repeats: int = 5) -> dict[str, float]:
     """Bytes per second of each probe."""
-    out = {}
+    out = {"sum fp32": read_bandwidth(1.0, repeats)}
     x = torch.ones(1 << 28)  # 1 GiB fp32
-    out["sum fp32"] = x.numel() * 4 / median_s(lambda: x.sum(), repeats)
     y = torch.empty_like(x)
     out["copy fp32 (read + write)"] = 2 * x.numel() * 4 / median_s(lambda: y.copy_(x), repeats)
     del x, y

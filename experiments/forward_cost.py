@@ -30,17 +30,9 @@ from collections import defaultdict
 import torch
 import transformers
 
-from bandwidth import median_s  # experiments/ is on sys.path when a script here runs
+from bandwidth import median_s, read_bandwidth  # experiments/ is on sys.path when a script here runs
 from cascade import load_model
 from cascade.theory import forward_floor_s
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second this machine reads from memory: a sum over ``gib`` GiB of fp32 (far
-    larger than any cache), on the threads torch is set to use."""
-    x = torch.ones(int(gib * (1 << 30)) // 4)
-    seconds = median_s(lambda: x.sum(), repeats)
-    return x.numel() * 4 / seconds
 
 
 def peak_flops(repeats: int = 5) -> dict[str, float]:
