@@ -14,10 +14,8 @@ import pandas as pd
 
 from cascade.results import GatherError, Job, load_jobs  # noqa: F401  (re-exported for analysis users)
 
-# formula_* and decomposed_* are in-sample (the run's own α and costs); predicted_speedup and
-# measured_over_predicted are out of sample (the second half of the prompts, from the first)
-COLUMNS = ("tau", "alpha", "tokens_per_s", "speedup", "formula_speedup", "formula_speedup_verify_cost",
-           "decomposed_speedup_per_depth", "predicted_speedup", "measured_over_predicted", "overhead_frac")
+# Columns: formula_* and decomposed_* are in-sample (the run's own α and costs); predicted_speedup
+# and measured_over_predicted are out of sample (the second half of the prompts, from the first)
 
 
 def table(root: str | Path) -> tuple[pd.DataFrame, list[Path]]:
@@ -25,16 +23,20 @@ def table(root: str | Path) -> tuple[pd.DataFrame, list[Path]]:
     jobs, incomplete = load_jobs(root)
     rows = []
     for job in jobs:
-        cfg = job.summary["config"]
-        for name, m in job.summary["methods"].items():
-            for key in ("tau", "tokens_per_s", "speedup"):
-                if key not in m:
-                    raise GatherError(f"{job.dir / 'summary.json'}: method {name!r} lacks {key!r}")
+        run = job.summary
+        for name, m in run.methods.items():
+            d = m.decomposition
+            h = m.heldout
             rows.append({
-                "dir": str(job.dir), "experiment": job.summary.get("experiment"), "method": name,
-                "target": cfg.get("models", {}).get("target"), "dataset": cfg.get("dataset", {}).get("name"),
-                **job.params, **{k: m.get(k) for k in COLUMNS},
+                "dir": str(job.dir), "experiment": run.experiment, "method": name, "target": run.target,
+                "dataset": run.dataset, **job.params,
+                "tau": m.tau, "alpha": m.alpha, "tokens_per_s": m.tokens_per_s, "speedup": m.speedup,
+                "formula_speedup": d.formula_speedup, "formula_speedup_verify_cost": d.formula_speedup_verify_cost,
+                "decomposed_speedup_per_depth": d.decomposed_speedup_per_depth,
+                "predicted_speedup": None if h is None else h.predicted_speedup,
+                "measured_over_predicted": None if h is None else h.measured_over_predicted,
+                "overhead_frac": m.stats.overhead_frac,
                 # per prompt category (dataset=mixed): speedup[CATEGORY] and tau[CATEGORY]
-                **{f"{k}[{c}]": v[k] for c, v in (m.get("by_category") or {}).items() for k in ("speedup", "tau")},
+                **{f"{k}[{c}]": getattr(v, k) for c, v in (m.by_category or {}).items() for k in ("speedup", "tau")},
             })
     return pd.DataFrame(rows), incomplete

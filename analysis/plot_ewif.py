@@ -21,45 +21,46 @@ from analysis import figures
 from analysis.gather import GatherError, load_jobs
 
 
-def _method(job) -> str:
-    names = [m for m in job.summary["methods"] if m != job.summary["baseline"]]
+def _methods(job) -> list[str]:
+    """The methods a job compared with its baseline (several in a multi-method experiment)."""
+    names = list(job.summary.compared)
     if not names:
         raise GatherError(f"{job.dir}: only the baseline was run")
-    return names[0]
+    return names
 
 
 def _spread(job, name: str) -> tuple[float, float]:
-    base = job.summary["methods"][job.summary["baseline"]].get("tokens_per_s_by_prompt") or {}
-    mine = job.summary["methods"][name].get("tokens_per_s_by_prompt") or {}
+    base = job.summary.methods[job.summary.baseline].tokens_per_s_by_prompt
+    mine = job.summary.methods[name].tokens_per_s_by_prompt
     ratios = [mine[p] / base[p] for p in mine if p in base and base[p] > 0]
-    s = job.summary["methods"][name]["speedup"]
+    s = job.summary.methods[name].speedup
     return (min(ratios), max(ratios)) if ratios else (s, s)
 
 
 def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
-    """Measured points, pooled α and c, the verification-cost function and a title."""
+    """Measured points, pooled α and c, the verification-cost function and a title, from
+    (job, method name) pairs of chain methods."""
     points, acc, drafted, cs, vc = [], 0.0, 0.0, [], []
     depth_alphas: list[float] = []
     best_k = 0
-    for job in jobs:
-        name = _method(job)
-        m = job.summary["methods"][name]
-        d = m["detail"]
-        base = job.summary["methods"][job.summary["baseline"]]["detail"]
+    for job, name in jobs:
+        m = job.summary.methods[name]
+        d = m.stats
+        base = job.summary.methods[job.summary.baseline].stats
         info = job.drafter(name)
-        k = info["budget"]
-        if not k or info["parts"] or d.get("alpha") is None:
+        k = info.budget
+        if not k or info.parts or d.alpha is None:
             continue
         lo, hi = _spread(job, name)
-        points.append({"gamma": int(k), "speedup": m["speedup"], "lo": lo, "hi": hi})
-        n = d["drafted_per_step"] * d["target_forwards"]
-        acc += d["alpha"] * n
+        points.append({"gamma": int(k), "speedup": m.speedup, "lo": lo, "hi": hi})
+        n = d.drafted_per_step * d.target_forwards
+        acc += d.alpha * n
         drafted += n
         # per drafted token; the drafter's prefill of each prompt is recorded on its own
-        cs.append(d["draft_time_per_token_s"] / base["target_time_per_forward_s"])
-        vc.append((d["drafted_per_step"], d["target_time_per_forward_s"] / base["target_time_per_forward_s"]))
+        cs.append(d.draft_time_per_token_s / base.target_time_per_forward_s)
+        vc.append((d.drafted_per_step, d.target_time_per_forward_s / base.target_time_per_forward_s))
         if int(k) > best_k:  # per-depth rates from the longest drafts measured
-            best_k, depth_alphas = int(k), d.get("alpha_by_depth") or []
+            best_k, depth_alphas = int(k), d.alpha_by_depth
     if not points:
         raise GatherError("no chain-method job with a draft length (method.drafter.k) and drafted tokens found")
     alpha, c = acc / drafted, float(np.median(cs))
@@ -67,9 +68,10 @@ def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
     # measured (mean draft length, cost) of each job; flat beyond the last
     xs, ys = zip(*sorted([(0.0, 1.0)] + vc))
     verify = lambda g: float(np.interp(g, xs, ys))  # noqa: E731
-    cfg = jobs[0].summary["config"]
-    title = (f"{cfg['models']['target']} ← {_method(jobs[0])} ({cfg['models'].get('small')}), "
-             f"{cfg['dataset']['name']} ×{cfg['dataset'].get('num_prompts')}, {'greedy' if cfg['sampling']['temperature'] == 0 else 'sampled'}")
+    first, name = jobs[0]
+    run = first.summary
+    title = (f"{run.target} ← {name} ({run.small}), {run.dataset} ×{run.num_prompts}, "
+             f"{'greedy' if run.greedy else 'sampled'}")
     return points, alpha, c, verify, title, depth_alphas
 
 
@@ -85,39 +87,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no complete job under {args.results}", file=sys.stderr)
         return 1
     written = []
-    cascades = [j for j in jobs if j.drafter(_method(j))["kind"] == "vertical_cascade"]
-    chains = [j for j in jobs if j not in cascades]
+    pairs = [(j, name) for j in jobs for name in _methods(j)]
+    cascades = [(j, n) for j, n in pairs if j.drafter(n).kind == "vertical_cascade"]
+    chains = [(j, n) for j, n in pairs if j.drafter(n).chain]
     if chains:
         points, alpha, c, verify, title, depth = chain_points(chains)
         _, paths = figures.ewif_curves(points, alpha, c, title, args.out, verify=verify, alpha_by_depth=depth)
         written += paths
         print(f"chain: pooled alpha {alpha:.3f}, c {c:.3f}; measured points " +
               ", ".join(f"γ={p['gamma']}: {p['speedup']:.2f}x" for p in sorted(points, key=lambda p: p["gamma"])))
-    for job in cascades[:1]:
-        name = _method(job)
-        m = job.summary["methods"][name]
-        levels = m["levels"]
-        base = job.summary["methods"][job.summary["baseline"]]["detail"]
+    for job, name in cascades[:1]:
+        m = job.summary.methods[name]
+        levels = m.stats.levels
         top, lower = list(levels)[:2]
         lv_top, lv_low = levels[top], levels[lower]
-        cfg = job.summary["config"]
-        title = f"{cfg['models']['target']} ← {top} ← {lower}, {cfg['dataset']['name']}"
-        k = job.drafter(name)["parts"][1]["budget"]
-        rounds = lv_low.get("rounds")
+        title = f"{job.summary.target} ← {top} ← {lower}, {job.summary.dataset}"
+        k = job.drafter(name).parts[1].budget
         pts = []
-        if rounds:
-            pts.append({"n": rounds / m["detail"]["target_forwards"], "k": k, "speedup": m["speedup"]})
-        _, paths = figures.ewif_two_level_map(lv_top["alpha"], lv_low["alpha"], lv_top["c"], lv_low["c"], title, args.out, points=pts)
+        if lv_low.rounds:
+            pts.append({"n": lv_low.rounds / m.stats.target_forwards, "k": k, "speedup": m.speedup})
+        _, paths = figures.ewif_two_level_map(lv_top.alpha, lv_low.alpha, lv_top.c, lv_low.c, title, args.out, points=pts)
         written += paths
     # the companion figures of the same jobs
     series, taus, speeds = {}, {}, {}
-    for job in jobs:
-        name = _method(job)
+    for job, name in pairs:
         label = f"{name} " + " ".join(f"{k}={v}" for k, v in job.params.items()) if job.params else name
-        m = job.summary["methods"][name]
-        if m["detail"].get("alpha_by_depth"):
-            series[label] = m["detail"]["alpha_by_depth"]
-        speeds[label] = m["speedup"]
+        m = job.summary.methods[name]
+        if m.stats.alpha_by_depth:
+            series[label] = m.stats.alpha_by_depth
+        speeds[label] = m.speedup
         taus[label] = [s["emitted"] for s in job.steps() if s["method"] == name]
     if series:
         written += figures.alpha_by_depth(series, "acceptance by depth", args.out)[1]

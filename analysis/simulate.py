@@ -56,15 +56,15 @@ class ChainTrace:
 
 
 def trace_from_job(job, exact_drafter: bool | None = None) -> ChainTrace:
-    name = next(m for m in job.summary["methods"] if m != job.summary["baseline"])
+    name = next(iter(job.summary.compared))
     info = job.drafter(name)
-    k = int(info["budget"] or 0)
-    if k < 1 or info["parts"]:
+    k = int(info.budget or 0)
+    if k < 1 or info.parts:
         raise GatherError(f"{job.dir}: trace replay needs a single-drafter chain run with a draft length k")
-    if job.summary["config"]["sampling"]["temperature"] != 0:
+    if not job.summary.greedy:
         raise GatherError(f"{job.dir}: trace replay needs a greedy run")
     if exact_drafter is None:  # an autoregressive LM drafter without a stop policy
-        exact_drafter = info["kind"] in EXACT_KINDS and info["stop"] == "FixedK"
+        exact_drafter = info.kind in EXACT_KINDS and info.stop == "FixedK"
     known: dict[str, dict[int, tuple[int, bool]]] = {}
     outputs: dict[str, int] = {}
     pos: dict[str, int] = {}
@@ -84,11 +84,10 @@ def trace_from_job(job, exact_drafter: bool | None = None) -> ChainTrace:
                 kn.setdefault(s + j, (a - j, censored))
         pos[p] = s + st["emitted"]
         outputs[p] = pos[p]
-    m = job.summary["methods"][name]["detail"]
-    base = job.summary["methods"][job.summary["baseline"]]["detail"]
-    return ChainTrace(outputs, known, k, exact_drafter, m["draft_time_per_token_s"], m["drafter_prefill_time_s"],
-                      m["target_time_per_forward_s"],
-                      base["target_time_per_forward_s"], m["prefill_time_s"], base["tokens_per_s"])
+    m = job.summary.methods[name].stats
+    base = job.summary.methods[job.summary.baseline].stats
+    return ChainTrace(outputs, known, k, exact_drafter, m.draft_time_per_token_s, m.drafter_prefill_time_s,
+                      m.target_time_per_forward_s, base.target_time_per_forward_s, m.prefill_time_s, base.tokens_per_s)
 
 
 def _km_sampler(trace: ChainTrace):
@@ -157,18 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     real = {}
     if args.compare:
         for job in load_jobs(args.compare)[0]:
-            name = next(m for m in job.summary["methods"] if m != job.summary["baseline"])
-            k = job.summary["config"]["method"]["drafter"].get("k")
-            if k is not None and job.dir != jobs[0].dir:
-                real[int(k)] = job.summary["methods"][name]
+            name = next(iter(job.summary.compared))
+            k = job.drafter(name).budget
+            if k and job.dir != jobs[0].dir:
+                real[int(k)] = job.summary.methods[name]
     print(f"trace: {args.trace} (k={trace.k}, exact drafter replay: {trace.exact_drafter})")
     print(f"{'gamma':>5s} {'tau_pred':>8s} {'speedup_pred':>12s} {'exact':>6s} {'tau_real':>8s} {'speedup_real':>12s} {'error':>7s}")
     for g in [int(x) for x in args.gammas.split(",")]:
         r = replay(trace, g)
         line = f"{g:5d} {r['tau']:8.2f} {r['speedup']:11.2f}x {r['exact_share']:6.0%}"
         if g in real:
-            err = r["speedup"] / real[g]["speedup"] - 1
-            line += f" {real[g]['tau']:8.2f} {real[g]['speedup']:11.2f}x {err:+7.1%}"
+            err = r["speedup"] / real[g].speedup - 1
+            line += f" {real[g].tau:8.2f} {real[g].speedup:11.2f}x {err:+7.1%}"
         print(line)
     return 0
 

@@ -21,6 +21,7 @@ from cascade.drafters.base import Drafter
 from cascade.metrics import summarize
 from cascade.models.lm import CausalLM
 from cascade.sampling import make_generator
+from cascade.summary import RunStats
 from cascade.types import DraftBlock, SamplingConfig, Scored, StepRecord
 from cascade.verify import EXACT, Verifier, commit
 
@@ -38,7 +39,7 @@ class Generation:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     drafter_prefill_time_s: float = 0.0  # the drafter's catch-up on the prompt (Drafter.prefill)
 
-    def summary(self) -> dict:
+    def summary(self) -> RunStats:
         return summarize([self])
 
 
@@ -105,15 +106,21 @@ def generate(
     stop_on_eos: bool = True,
     progress: bool = False,
     verifier: Verifier = EXACT,
+    sampling: SamplingConfig | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch size 1).
 
     With ``drafter=None`` this is plain autoregressive decoding. Output is distributed exactly as
     the target's (greedy: identical tokens). ``eos_token_id`` defaults to the target's EOS ids;
     ``generator`` (or ``seed``) is the only source of randomness. ``verifier`` holds the
-    acceptance rules (``cascade.verify``; the exact ones by default).
+    acceptance rules (``cascade.verify``; the exact ones by default). ``sampling`` passes the
+    temperature / top-k / top-p as one ``SamplingConfig`` (what ``cascade.run`` instantiates from
+    the ``sampling`` config group); the three scalars are a shorthand for it, not both.
     """
-    sampling = SamplingConfig(temperature, top_k, top_p)
+    if sampling is None:
+        sampling = SamplingConfig(temperature, top_k, top_p)
+    elif (temperature, top_k, top_p) != (0.0, None, None):
+        raise ValueError("pass either sampling=SamplingConfig(...) or temperature/top_k/top_p, not both")
     prompt = _prompt_ids(input_ids)
     _validate(target, prompt, max_new_tokens)
     if eos_token_id is None:

@@ -41,18 +41,21 @@ import json
 import os
 from collections import defaultdict
 from pathlib import Path
+from cascade.summary import Decomposition, HeldOut, LevelSummary, RunStats
 from cascade.theory import expected_tokens_per_position, predicted_speedup
 from cascade.types import LevelStats
 
 
-def summarize(generations: list) -> dict:
-    """Run summary of ``cascade.decode.Generation`` objects (see the module docstring)."""
+def summarize(generations: list) -> RunStats:
+    """Run summary of ``cascade.decode.Generation`` objects (see the module docstring). A
+    generation without step records (transformers' own ``generate``) counts in tokens and time
+    only: its τ and per-forward figures are None."""
     steps = [s for g in generations for s in g.steps]
     new_tokens = sum(len(g.tokens) for g in generations)
     wall = sum(g.wall_time_s for g in generations)
     step_time = sum(s.step_time_s for s in steps)
     target_time = sum(s.target_time_s for s in steps)
-    per_forward = target_time / len(steps) if steps else float("nan")
+    per_forward = target_time / len(steps) if steps else None
     drafted: dict[str, int] = defaultdict(int)
     accepted: dict[str, int] = defaultdict(int)
     draft_time: dict[str, float] = defaultdict(float)
@@ -62,33 +65,33 @@ def summarize(generations: list) -> dict:
             accepted[s.drafter] += s.accepted
             draft_time[s.drafter] += s.draft_time_s
     total_drafted = sum(drafted.values())
-    levels = _level_stats(steps, per_forward)
     tree_steps = [s for s in steps if s.tree is not None]
     tree_nodes = sum(s.drafted for s in tree_steps)
-    return {
-        "tree_expected_tau": 1 + sum(s.tree.expected_accepted for s in tree_steps) / len(tree_steps) if tree_steps else None,
-        "tree_nodes_per_step": tree_nodes / len(tree_steps) if tree_steps else None,
-        "tree_acceptance": sum(s.accepted for s in tree_steps) / tree_nodes if tree_nodes else None,
-        "tree_drafter_forwards_per_step": sum(s.tree.drafter_forwards for s in tree_steps) / len(tree_steps) if tree_steps else None,
-        "alpha_by_depth": alpha_by_depth(steps),
-        "num_generations": len(generations),
-        "new_tokens": new_tokens,
-        "target_forwards": len(steps),
-        "tau": sum(s.emitted for s in steps) / len(steps) if steps else float("nan"),
-        "alpha": sum(accepted.values()) / total_drafted if total_drafted and not tree_steps else None,
-        "alpha_by_drafter": {d: accepted[d] / drafted[d] for d in drafted},
-        "c_by_drafter": {d: (draft_time[d] / drafted[d]) / per_forward for d in drafted},
-        "drafted_per_step": total_drafted / len(steps) if steps else 0.0,
-        "draft_time_per_token_s": sum(draft_time.values()) / total_drafted if total_drafted else None,
-        "tokens_per_s": new_tokens / wall if wall > 0 else float("nan"),
-        "wall_time_s": wall,
-        "prefill_time_s": sum(g.prefill_time_s for g in generations),
-        "drafter_prefill_time_s": sum(g.drafter_prefill_time_s for g in generations),
-        "target_time_per_forward_s": per_forward,
-        "draft_frac": sum(s.draft_time_s for s in steps) / step_time if step_time else 0.0,
-        "overhead_frac": sum(s.overhead_time_s for s in steps) / step_time if step_time else 0.0,
-        "levels": levels,
-    }
+    return RunStats(
+        num_generations=len(generations),
+        new_tokens=new_tokens,
+        target_forwards=len(steps),
+        tau=sum(s.emitted for s in steps) / len(steps) if steps else None,
+        alpha=sum(accepted.values()) / total_drafted if total_drafted and not tree_steps else None,
+        alpha_by_drafter={d: accepted[d] / drafted[d] for d in drafted},
+        c_by_drafter={d: (draft_time[d] / drafted[d]) / per_forward for d in drafted},
+        alpha_by_depth=alpha_by_depth(steps),
+        drafted_per_step=total_drafted / len(steps) if steps else 0.0,
+        draft_time_per_token_s=sum(draft_time.values()) / total_drafted if total_drafted else None,
+        tokens_per_s=new_tokens / wall if wall > 0 else float("nan"),
+        wall_time_s=wall,
+        prefill_time_s=sum(g.prefill_time_s for g in generations),
+        drafter_prefill_time_s=sum(g.drafter_prefill_time_s for g in generations),
+        target_time_per_forward_s=per_forward,
+        draft_frac=sum(s.draft_time_s for s in steps) / step_time if step_time else 0.0,
+        overhead_frac=sum(s.overhead_time_s for s in steps) / step_time if step_time else 0.0,
+        levels=_level_stats(steps, per_forward),
+        tree_expected_tau=1 + sum(s.tree.expected_accepted for s in tree_steps) / len(tree_steps) if tree_steps else None,
+        tree_nodes_per_step=tree_nodes / len(tree_steps) if tree_steps else None,
+        tree_acceptance=sum(s.accepted for s in tree_steps) / tree_nodes if tree_nodes else None,
+        tree_drafter_forwards_per_step=(sum(s.tree.drafter_forwards for s in tree_steps) / len(tree_steps)
+                                        if tree_steps else None),
+    )
 
 
 def alpha_by_depth(steps) -> list[float]:
@@ -109,7 +112,7 @@ def alpha_by_depth(steps) -> list[float]:
     return [kept[i] / reached[i] for i in sorted(reached)]
 
 
-def _level_stats(steps, per_forward: float) -> dict:
+def _level_stats(steps, per_forward: float | None) -> dict[str, LevelSummary]:
     """Aggregate the per-level records cascades put in their steps (``cascade``, ``segments``)."""
     acc: dict[str, LevelStats] = defaultdict(LevelStats)
     for s in steps:
@@ -121,30 +124,26 @@ def _level_stats(steps, per_forward: float) -> dict:
             kept = min(max(s.accepted - seg.start, 0), seg.length)
             acc[seg.drafter].add(LevelStats(seg.length, kept, seg.time_s))
     return {
-        name: {
-            "drafted": a.drafted,
-            "rounds": a.rounds,  # inner rounds in which this level drafted (vertical cascades)
-            "alpha": a.accepted / a.drafted if a.drafted else None,
-            "c": (a.time_s / a.drafted) / per_forward if a.drafted else None,
-        }
+        name: LevelSummary(drafted=a.drafted, rounds=a.rounds, alpha=a.accepted / a.drafted if a.drafted else None,
+                           c=(a.time_s / a.drafted) / per_forward if a.drafted and per_forward else None)
         for name, a in acc.items()
     }
 
 
-def speedup(method: dict, baseline: dict) -> float:
+def speedup(method: RunStats, baseline: RunStats) -> float:
     """Ratio of total-token throughputs (not a mean of per-sample ratios)."""
-    return method["tokens_per_s"] / baseline["tokens_per_s"]
+    return method.tokens_per_s / baseline.tokens_per_s
 
 
-def _round_cost(method: dict, baseline: dict) -> tuple[float, float, float]:
+def _round_cost(method: RunStats, baseline: RunStats) -> tuple[float, float, float]:
     """(γ, c, verification cost): mean nodes drafted per step, drafter time per drafted node and
     the verification forward's time, both in autoregressive steps of ``baseline``."""
-    ar_step = baseline["target_time_per_forward_s"]
-    return (method["drafted_per_step"], (method["draft_time_per_token_s"] or 0.0) / ar_step,
-            method["target_time_per_forward_s"] / ar_step)
+    ar_step = baseline.target_time_per_forward_s
+    return (method.drafted_per_step, (method.draft_time_per_token_s or 0.0) / ar_step,
+            method.target_time_per_forward_s / ar_step)
 
 
-def decomposition(method: dict, baseline: dict) -> dict:
+def decomposition(method: RunStats, baseline: RunStats) -> Decomposition:
     """The closed forms evaluated at a run's own measurements: in-sample, so a decomposition of
     the measured speedup (which factor costs what), not a prediction of it.
 
@@ -157,32 +156,30 @@ def decomposition(method: dict, baseline: dict) -> dict:
     τ by construction) and ``decomposed_speedup_per_depth`` divides it by the measured round
     cost. For token trees the tree policy's own expected τ takes the place of the per-depth τ.
     """
-    none = {"formula_speedup": None, "formula_speedup_verify_cost": None, "formula_tau_iid": None,
-            "decomposed_tau_per_depth": None, "decomposed_speedup_per_depth": None, "measured_over_formula": None}
-    if not method["drafted_per_step"]:
-        return none
+    if not method.drafted_per_step or not baseline.target_time_per_forward_s:
+        return Decomposition()
     measured = speedup(method, baseline)
     gamma, c, verify_cost = _round_cost(method, baseline)
-    if method.get("tree_expected_tau") is not None:  # token trees: the policy's own expectation
-        tau = method["tree_expected_tau"]
-        return {**none, "decomposed_tau_per_depth": tau, "decomposed_speedup_per_depth": tau / (verify_cost + gamma * c)}
-    if method["alpha"] is None:
-        return none
-    seed = predicted_speedup(method["alpha"], gamma, c)
-    tau_depth = expected_tokens_per_position(method["alpha_by_depth"][: round(gamma)])
-    return {
-        "formula_speedup": seed,
-        "formula_speedup_verify_cost": predicted_speedup(method["alpha"], gamma, c, verify_cost),
+    if method.tree_expected_tau is not None:  # token trees: the policy's own expectation
+        tau = method.tree_expected_tau
+        return Decomposition(decomposed_tau_per_depth=tau, decomposed_speedup_per_depth=tau / (verify_cost + gamma * c))
+    if method.alpha is None:
+        return Decomposition()
+    seed = predicted_speedup(method.alpha, gamma, c)
+    tau_depth = expected_tokens_per_position(method.alpha_by_depth[: round(gamma)])
+    return Decomposition(
+        formula_speedup=seed,
+        formula_speedup_verify_cost=predicted_speedup(method.alpha, gamma, c, verify_cost),
         # the gap between these two τ is the cost of the independence assumption (acceptance is
         # correlated along a draft)
-        "formula_tau_iid": predicted_speedup(method["alpha"], gamma, 0.0),
-        "decomposed_tau_per_depth": tau_depth,
-        "decomposed_speedup_per_depth": tau_depth / (verify_cost + gamma * c),
-        "measured_over_formula": measured / seed,
-    }
+        formula_tau_iid=predicted_speedup(method.alpha, gamma, 0.0),
+        decomposed_tau_per_depth=tau_depth,
+        decomposed_speedup_per_depth=tau_depth / (verify_cost + gamma * c),
+        measured_over_formula=measured / seed,
+    )
 
 
-def prediction(fit: dict, fit_baseline: dict, method: dict, baseline: dict) -> dict:
+def prediction(fit: RunStats, fit_baseline: RunStats, method: RunStats, baseline: RunStats) -> HeldOut:
     """A prediction from data it did not see: the per-depth decomposition of one set of prompts
     (``fit`` against ``fit_baseline``: per-depth acceptance, draft length, drafter and
     verification cost in autoregressive steps) predicts τ and speedup on other prompts
@@ -191,21 +188,22 @@ def prediction(fit: dict, fit_baseline: dict, method: dict, baseline: dict) -> d
     ``predicted_tau``: the fit's per-depth τ (a token tree: the fit's measured τ);
     ``predicted_speedup``: that τ over the fit's round cost; ``predicted_speedup_formula``: the
     seed formula at the fit's single α, γ, c and verification cost (chains only)."""
-    out = {"predicted_tau": None, "predicted_speedup": None, "predicted_speedup_formula": None,
-           "measured_tau": method["tau"], "measured_speedup": speedup(method, baseline), "measured_over_predicted": None}
-    if not fit["drafted_per_step"]:
+    out = HeldOut(fit_prompts=fit.num_generations, test_prompts=method.num_generations, predicted_tau=None,
+                  predicted_speedup=None, predicted_speedup_formula=None, measured_tau=method.tau,
+                  measured_speedup=speedup(method, baseline), measured_over_predicted=None)
+    if not fit.drafted_per_step or not fit_baseline.target_time_per_forward_s:
         return out
     gamma, c, verify_cost = _round_cost(fit, fit_baseline)
-    if fit.get("tree_expected_tau") is not None:
-        tau = fit["tau"]
-    elif fit["alpha"] is not None:
-        tau = expected_tokens_per_position(fit["alpha_by_depth"][: round(gamma)])
-        out["predicted_speedup_formula"] = predicted_speedup(fit["alpha"], gamma, c, verify_cost)
+    if fit.tree_expected_tau is not None:
+        tau = fit.tau
+    elif fit.alpha is not None:
+        tau = expected_tokens_per_position(fit.alpha_by_depth[: round(gamma)])
+        out.predicted_speedup_formula = predicted_speedup(fit.alpha, gamma, c, verify_cost)
     else:
         return out
-    out["predicted_tau"] = tau
-    out["predicted_speedup"] = tau / (verify_cost + gamma * c)
-    out["measured_over_predicted"] = out["measured_speedup"] / out["predicted_speedup"]
+    out.predicted_tau = tau
+    out.predicted_speedup = tau / (verify_cost + gamma * c)
+    out.measured_over_predicted = out.measured_speedup / out.predicted_speedup
     return out
 
 

@@ -1,7 +1,8 @@
 """Read result directories (one run, or a whole multirun sweep): the one job reader.
 
-``load_jobs(root)`` returns the complete jobs (``Job``: directory, summary, swept parameters
-from ``.hydra/overrides.yaml``, per-step records on demand) and the incomplete job directories
+``load_jobs(root)`` returns the complete jobs (``Job``: directory, the typed
+:class:`~cascade.summary.RunSummary`, swept parameters from ``.hydra/overrides.yaml``, per-step
+records on demand) and the incomplete job directories
 (no ``summary.json``: still running, crashed or interrupted), which are listed, not silently
 dropped. A malformed file raises ``GatherError`` naming it (and the line, for ``steps.jsonl``).
 ``analysis.gather`` builds its pandas table on this.
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from cascade.summary import RunSummary
+from cascade.types import DrafterInfo
 
 
 class GatherError(ValueError):
@@ -55,18 +59,13 @@ def job_dirs(root: str | Path) -> list[Path]:
 @dataclass
 class Job:
     dir: Path
-    summary: dict
+    summary: RunSummary
     params: dict
     _steps: list[dict] | None = field(default=None, repr=False)
 
-    def drafter(self, method: str) -> dict:
-        """What ``method`` is (``Drafter.describe`` as written by the run: kind, name, budget, stop,
-        parts)."""
-        info = self.summary["methods"][method].get("drafter")
-        if info is None:
-            raise GatherError(f"{self.dir / 'summary.json'}: method {method!r} has no 'drafter' record "
-                              "(written by an older cascade: rerun it)")
-        return info
+    def drafter(self, method: str) -> DrafterInfo:
+        """What ``method`` is (``Drafter.describe`` as written by the run)."""
+        return self.summary.methods[method].drafter
 
     def steps(self) -> list[dict]:
         """The per-step records (``steps.jsonl``), read once."""
@@ -93,10 +92,10 @@ def load_jobs(root: str | Path) -> tuple[list[Job], list[Path]]:
         if not path.is_file():
             incomplete.append(d)
             continue
-        summary = _read_json(path)
-        for key in ("methods", "config", "baseline"):
-            if key not in summary:
-                raise GatherError(f"{path}: malformed summary (no {key!r})")
+        try:
+            summary = RunSummary.from_dict(_read_json(path))
+        except (KeyError, TypeError) as exc:
+            raise GatherError(f"{path}: malformed summary ({exc}; written by an older cascade? rerun it)") from exc
         jobs.append(Job(d, summary, overrides(d)))
     return jobs, incomplete
 
@@ -105,9 +104,9 @@ def gather(root: str | Path) -> tuple[list[dict], list[Path]]:
     """Rows (one per job and method) and the incomplete job directories."""
     jobs, incomplete = load_jobs(root)
     rows = [
-        {"dir": str(job.dir), "experiment": job.summary.get("experiment"), "method": name, **job.params,
-         **{k: m.get(k) for k in ("tau", "alpha", "tokens_per_s", "speedup")}}
-        for job in jobs for name, m in job.summary["methods"].items()
+        {"dir": str(job.dir), "experiment": job.summary.experiment, "method": name, **job.params,
+         "tau": m.tau, "alpha": m.alpha, "tokens_per_s": m.tokens_per_s, "speedup": m.speedup}
+        for job in jobs for name, m in job.summary.methods.items()
     ]
     return rows, incomplete
 

@@ -1,18 +1,26 @@
 """`python -m cascade.run +experiment=NAME [overrides]`: one experiment, baseline included.
 
-``run(cfg) -> dict`` does the work and is what tests call; ``main`` is the thin Hydra wrapper.
-A run validates everything it can before loading a model (missing values, unknown ``_target_``
-classes, the dataset), loads the target and the method's drafter, then decodes every prompt
-with the autoregressive baseline and with the method, interleaved prompt by prompt in this one
-process (after a warm-up), and writes into the output directory:
+``run(cfg) -> RunSummary`` does the work and is what tests call; ``main`` is the thin Hydra
+wrapper. A run validates everything it can before loading a model (missing values, unknown
+``_target_`` classes, sampling values, the dataset), loads the target and the methods, then
+decodes every prompt with the autoregressive baseline and every method, interleaved prompt by
+prompt in this one process after a warm-up (``cascade.evaluate``), and writes into the output
+directory:
 
 ``summary.json``
-    config echo, environment, and per method (keyed by its name): ``drafter`` (what the method
-    is: kind, draft budget, stop policy and the drafters inside, from ``Drafter.describe``),
-    ``tau``, ``alpha`` (chains) or ``tree_acceptance`` (trees), ``c``, ``tokens_per_s``,
-    ``speedup`` against the baseline, and the generated token ids per prompt.
+    the :class:`~cascade.summary.RunSummary`: config echo, environment (CPU model and flags
+    included), and per method (keyed by its name) a :class:`~cascade.summary.MethodSummary`:
+    what the method is (``Drafter.describe``), its statistics (τ, α, c, tok/s, ...), speedup
+    against the baseline, in-sample decomposition, held-out prediction, per-category rows,
+    greedy divergences from the baseline, and the generated token ids per prompt.
 ``steps.jsonl``
-    one line per decoding step (method, prompt index, and the fields of ``StepRecord``).
+    one line per decoding step (method, prompt id, and the fields of ``StepRecord``).
+
+Methods: an experiment names several in ``methods`` (name -> a ``conf/method`` entry, composed
+with ``/method@methods.NAME: ENTRY`` in its defaults list); with ``methods`` empty the run
+compares the one ``method``. A method config holds ``drafter`` (cascade's loop; null:
+autoregressive) or ``generate`` (an object with ``decode``/``describe``, e.g. transformers' own
+``generate``: ``cascade.evaluate.TransformersGenerate``).
 
 Both files are written to a temporary name and renamed, so an interrupted run leaves no half
 file; a directory that already holds a ``summary.json`` is refused unless ``overwrite=true``.
@@ -23,24 +31,24 @@ from __future__ import annotations
 import logging
 import platform
 import subprocess
-from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from cascade.data import encode, load_prompts
-from cascade.decode import generate
-from cascade.metrics import decomposition, prediction, speedup, summarize, write_json_atomic, write_jsonl_atomic
+from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interleaved, summarize_methods
+from cascade.metrics import write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
+from cascade.summary import Environment, MethodSummary, RunSummary
+from cascade.types import SamplingConfig
 
 log = logging.getLogger(__name__)
-BASELINE = "ar"
 
 
 class ConfigError(ValueError):
@@ -57,38 +65,70 @@ def _targets(node) -> list[str]:
     return []
 
 
-def validate(cfg: DictConfig) -> None:
-    """Fail fast with a clear message: missing values, unknown classes, bad sampling values."""
+def method_configs(cfg: DictConfig) -> dict[str, DictConfig]:
+    """name -> method config: ``methods`` when an experiment names several, else the one
+    ``method``; the baseline is always run and always named ``ar``."""
+    named = dict(cfg.methods) if cfg.get("methods") else {cfg.method.name: cfg.method}
+    if BASELINE in named and (named[BASELINE].get("drafter") is not None or named[BASELINE].get("generate") is not None):
+        raise ConfigError(f"method name {BASELINE!r} is the autoregressive baseline's; name this method differently")
+    return {BASELINE: OmegaConf.create({"name": BASELINE, "drafter": None}), **{n: m for n, m in named.items() if n != BASELINE}}
+
+
+def validate(cfg: DictConfig) -> SamplingConfig:
+    """Fail fast with a clear message: missing values, unknown classes, bad sampling values.
+    Returns the run's sampling settings (validated once, by ``SamplingConfig`` itself)."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"missing required value(s): {', '.join(missing)} (set them on the command line, e.g. {missing[0]}=...)")
-    for target in _targets(OmegaConf.to_container(cfg.method, resolve=False)):
-        try:
-            get_object(target)
-        except ImportError as exc:
-            raise ConfigError(
-                f"method {cfg.method.name!r} needs {target}, which is not yet available in this version of cascade"
-            ) from exc
-    if cfg.sampling.temperature < 0:
-        raise ConfigError(f"sampling.temperature must be >= 0, got {cfg.sampling.temperature}")
+    for name, mcfg in method_configs(cfg).items():
+        if mcfg.get("drafter") is not None and mcfg.get("generate") is not None:
+            raise ConfigError(f"method {name!r} sets both drafter and generate; a method is one or the other")
+        for target in _targets(OmegaConf.to_container(mcfg, resolve=False)):
+            try:
+                get_object(target)
+            except ImportError as exc:
+                raise ConfigError(
+                    f"method {name!r} needs {target}, which is not yet available in this version of cascade"
+                ) from exc
+    try:
+        return instantiate(cfg.sampling)
+    except InstantiationException as exc:
+        raise ConfigError(f"sampling: {exc.__cause__ or exc}") from exc
 
 
-def _environment(target) -> dict:
+def build_method(mcfg: DictConfig) -> Method:
+    """The object a method config describes (see the module docstring)."""
+    if mcfg.get("generate") is not None:
+        return instantiate(mcfg.generate)
+    return SpeculativeMethod(None if mcfg.get("drafter") is None else instantiate(mcfg.drafter))
+
+
+def _cpu() -> tuple[str | None, list[str]]:
+    """lscpu's model name and the SIMD flags that decide which kernels are fast (Linux only)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None, []
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), None)
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return model, simd
+
+
+def _environment(target) -> Environment:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
-    return {
-        "torch": version("torch"),
-        "transformers": version("transformers"),  # metadata: the lazy module may lack __version__ after unpickling
-        "python": platform.python_version(),
-        "device": str(target.device),
-        "dtype": str(target.dtype),
-        "threads": torch.get_num_threads(),
-        "git_commit": commit,
-    }
+    cpu, flags = _cpu()
+    return Environment(
+        torch=version("torch"),
+        transformers=version("transformers"),  # metadata: the lazy module may lack __version__ after unpickling
+        python=platform.python_version(), device=str(target.device), dtype=str(target.dtype),
+        threads=torch.get_num_threads(), git_commit=commit, cpu=cpu, cpu_flags=flags,
+    )
 
 
 def _output_dir(cfg: DictConfig) -> Path:
@@ -97,77 +137,41 @@ def _output_dir(cfg: DictConfig) -> Path:
     return Path(cfg.get("output_dir") or "outputs/run")
 
 
-def decode_interleaved(target, methods: dict, prompts: list[list[int]], max_new_tokens: int, *, warmup: bool = True,
-                       progress: bool = True, seed: int = 0, **sampling) -> dict[str, list]:
-    """Every method (name -> drafter, None = autoregressive) on every prompt, interleaved prompt by
-    prompt so that machine noise hits all methods alike, after one short warm-up generation per
-    method. Prompt i is decoded with seed ``seed + i``. Returns name -> [Generation per prompt]."""
-    if warmup:
-        for drafter in methods.values():
-            generate(target, prompts[0][:32], drafter=drafter, max_new_tokens=min(8, max_new_tokens), seed=0, **sampling)
-    gens: dict[str, list] = {name: [] for name in methods}
-    for i, ids in enumerate(tqdm(prompts, desc="prompts", disable=not progress)):
-        for name, drafter in methods.items():
-            gens[name].append(generate(target, ids, drafter=drafter, max_new_tokens=max_new_tokens, seed=seed + i, **sampling))
-    return gens
-
-
-def heldout(gens: dict[str, list], name: str) -> dict | None:
-    """Predict the second half of the prompts from the first: ``metrics.prediction`` with the
-    first half's measurements (against the baseline on the same prompts) as the fit. None with
-    fewer than two prompts."""
-    n = len(gens[BASELINE])
-    if n < 2:
-        return None
-    half = n // 2
-    fit, test = (summarize(gens[name][:half]), summarize(gens[BASELINE][:half])), (summarize(gens[name][half:]), summarize(gens[BASELINE][half:]))
-    return {"fit_prompts": half, "test_prompts": n - half, **prediction(*fit, *test)}
-
-
-def by_category(prompt_set, gens: list, base: list) -> dict | None:
-    """Per prompt category (``Prompt.category``, in order of appearance): prompts, τ, tok/s and
-    the speedup against the baseline on the same prompts. None when there is one category."""
-    cats = [p.category for p in prompt_set]
-    if len(set(cats)) < 2:
-        return None
-    out = {}
-    for c in dict.fromkeys(cats):
-        idx = [i for i, x in enumerate(cats) if x == c]
-        s, b = summarize([gens[i] for i in idx]), summarize([base[i] for i in idx])
-        out[c] = {"prompts": len(idx), "tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "speedup": speedup(s, b)}
-    return out
-
-
 def _fmt(x, spec: str = "{:.2f}x") -> str:
     return "-" if x is None else spec.format(x)
 
 
-def _table(results: dict) -> str:
+def _table(results: dict[str, MethodSummary]) -> str:
     """alpha: a chain's acceptance; a tree's (accepted path / nodes) is shown as `tree 0.xxx`.
     decomposed: the in-sample per-depth decomposition; predicted / measured: the second half of
-    the prompts, predicted from the first half."""
+    the prompts, predicted from the first half; same: greedy outputs identical to the baseline's."""
     lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {'tok/s':>8s} {'speedup':>8s} {'decomposed':>10s} "
-             f"{'2nd half: predicted':>19s} {'measured':>8s}"]
+             f"{'2nd half: predicted':>19s} {'measured':>8s} {'same':>5s}"]
     for name, r in results.items():
-        alpha = "-" if r["alpha"] is None else f"{r['alpha']:.3f}"
-        if r["tree_acceptance"] is not None:
-            alpha = f"tree {r['tree_acceptance']:.3f}"
-        h = r["heldout"] or {}
-        lines.append(f"{name:16s} {r['tau']:6.2f} {alpha:>10s} {r['tokens_per_s']:8.2f} {r['speedup']:7.2f}x "
-                     f"{_fmt(r['decomposed_speedup_per_depth']):>10s} {_fmt(h.get('predicted_speedup')):>19s} "
-                     f"{_fmt(h.get('measured_speedup') if h.get('predicted_speedup') is not None else None):>8s}")
-        for level, lv in r["levels"].items():
-            if lv["alpha"] is not None:
-                lines.append(f"  level {level}: alpha {lv['alpha']:.3f}, c {lv['c']:.3f}")
-        if r.get("by_category") and name != BASELINE:
+        s = r.stats
+        alpha = "-" if s.alpha is None else f"{s.alpha:.3f}"
+        if s.tree_acceptance is not None:
+            alpha = f"tree {s.tree_acceptance:.3f}"
+        h = r.heldout
+        predicted = None if h is None else h.predicted_speedup
+        same = "-" if r.identical_to_baseline is None else f"{r.identical_to_baseline}/{len(r.tokens)}"
+        lines.append(f"{name:16s} {_fmt(s.tau, '{:.2f}'):>6s} {alpha:>10s} {s.tokens_per_s:8.2f} {r.speedup:7.2f}x "
+                     f"{_fmt(r.decomposition.decomposed_speedup_per_depth):>10s} {_fmt(predicted):>19s} "
+                     f"{_fmt(h.measured_speedup if predicted is not None else None):>8s} {same:>5s}")
+        for level, lv in s.levels.items():
+            if lv.alpha is not None:
+                lines.append(f"  level {level}: alpha {lv.alpha:.3f}, c {_fmt(lv.c, '{:.3f}')}")
+        if r.by_category and name != BASELINE:
             lines.append("  by category (tau, speedup): " + ", ".join(
-                f"{c} {v['tau']:.2f} {v['speedup']:.2f}x" for c, v in r["by_category"].items()))
+                f"{c} {_fmt(v.tau, '{:.2f}')} {v.speedup:.2f}x" for c, v in r.by_category.items()))
+        for d in r.divergences:
+            lines.append(f"  diverges from {BASELINE} on {d.prompt} at token {d.position} (target's top-2 gap {_fmt(d.top2_gap, '{:.4f}')})")
     return "\n".join(lines)
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig) -> RunSummary:
     """Run one experiment; returns the summary that is also written to ``summary.json``."""
-    validate(cfg)
+    sampling = validate(cfg)
     out_dir = _output_dir(cfg)
     if (out_dir / "summary.json").exists() and not cfg.overwrite:
         raise FileExistsError(f"{out_dir / 'summary.json'} exists: refusing to mix runs (pass overwrite=true)")
@@ -177,57 +181,21 @@ def run(cfg: DictConfig) -> dict:
 
     m = cfg.models
     target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
-    methods = {BASELINE: None}
-    if cfg.method.name != BASELINE:
-        methods[cfg.method.name] = instantiate(cfg.method.drafter)
+    methods = {name: build_method(mcfg) for name, mcfg in method_configs(cfg).items()}
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 
-    sampling = dict(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p)
-    gens = decode_interleaved(target, methods, prompts, ds.max_new_tokens, warmup=cfg.warmup, progress=cfg.progress,
-                              seed=cfg.seed, **sampling)
-    base = summarize(gens[BASELINE])
-    results = {}
-    for name, g in gens.items():
-        s = summarize(g)
-        drafter = methods[name]
-        info = asdict(drafter.describe()) if drafter is not None else {"kind": "autoregressive", "name": name, "budget": 0,
-                                                                        "stop": None, "parts": []}
-        results[name] = {
-            "drafter": info,
-            "tau": s["tau"],
-            "alpha": s["alpha"],
-            "tree_acceptance": s["tree_acceptance"],
-            "c": s["c_by_drafter"],
-            "alpha_by_drafter": s["alpha_by_drafter"],
-            "tokens_per_s": s["tokens_per_s"],
-            "speedup": speedup(s, base),
-            **decomposition(s, base),
-            # out of sample: the second half of the prompts predicted from the first
-            "heldout": (h := heldout(gens, name)),
-            "predicted_speedup": None if h is None else h["predicted_speedup"],
-            "measured_over_predicted": None if h is None else h["measured_over_predicted"],
-            "by_category": by_category(prompt_set, g, gens[BASELINE]),
-            "levels": s["levels"],
-            "overhead_frac": s["overhead_frac"],
-            "detail": s,
-            "tokens": {p.id: gen.tokens for p, gen in zip(prompt_set, g)},
-            # per prompt, for the spread of speedups across prompts (analysis figures)
-            "tokens_per_s_by_prompt": {p.id: len(gen.tokens) / gen.wall_time_s for p, gen in zip(prompt_set, g)},
-        }
-    summary = {
-        "experiment": cfg.experiment_name,
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "environment": _environment(target),
-        "baseline": BASELINE,
-        "methods": results,
-    }
+    gens = decode_interleaved(target, methods, prompts, ds.max_new_tokens, sampling, warmup=cfg.warmup,
+                              progress=cfg.progress, seed=cfg.seed)
+    results = summarize_methods(target, methods, prompt_set, prompts, gens, sampling)
+    summary = RunSummary(experiment=cfg.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
+                         environment=_environment(target), baseline=BASELINE, methods=results)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl_atomic(
         out_dir / "steps.jsonl",
         ({"method": n, "prompt": p.id, **s.to_dict()} for n, g in gens.items() for p, gen in zip(prompt_set, g) for s in gen.steps),
     )
-    write_json_atomic(out_dir / "summary.json", summary)  # last: its presence marks a complete run
+    write_json_atomic(out_dir / "summary.json", summary.to_dict())  # last: its presence marks a complete run
     print(_table(results))
     log.info("results in %s", out_dir)
     return summary

@@ -154,7 +154,7 @@ class Verifier:
                               attention_mask=None if mask is None else mask.to(target.device), return_hidden=return_hidden)
 
     def accept(self, block: DraftBlock, logits: torch.Tensor, sampling: SamplingConfig,
-               generator: torch.Generator | None, sample_deterministic: bool = False) -> VerifyResult:
+               generator: torch.Generator | None) -> VerifyResult:
         """Judge ``block`` against ``logits`` [n + 1, V] (the verifying model's logits at [root] + nodes).
 
         ``sampling.greedy`` selects the greedy rule; otherwise the logits are processed with

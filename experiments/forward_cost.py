@@ -30,9 +30,9 @@ from collections import defaultdict
 import torch
 import transformers
 
-from bandwidth import median_s, read_bandwidth  # experiments/ is on sys.path when a script here runs
 from cascade import load_model
 from cascade.theory import forward_floor_s
+from cascade.timing import median_s, read_bandwidth
 
 
 def peak_flops(repeats: int = 5) -> dict[str, float]:

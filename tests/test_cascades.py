@@ -65,10 +65,10 @@ def test_middle_level_output_is_its_own_greedy_output(tiny_target, lms):
 def test_cascade_records_per_level_alpha_and_c(tiny_target, lms):
     close, mid, _ = lms
     cascade = VerticalCascade([SmallLMDrafter(close, k=6), SmallLMDrafter(mid, k=3), NGramDrafter(k=2)])
-    levels = generate(tiny_target, [1, 2, 3, 1, 2], drafter=cascade, max_new_tokens=30, stop_on_eos=False).summary()["levels"]
+    levels = generate(tiny_target, [1, 2, 3, 1, 2], drafter=cascade, max_new_tokens=30, stop_on_eos=False).summary().levels
     assert set(levels) == {cascade.top.name, cascade.lower.top.name, "ngram"}
     for stats in levels.values():
-        assert 0.0 <= stats["alpha"] <= 1.0 and stats["c"] >= 0.0
+        assert 0.0 <= stats.alpha <= 1.0 and stats.c >= 0.0
 
 
 # ---- sampling -----------------------------------------------------------------------------------
@@ -117,8 +117,8 @@ def test_horizontal_cascade_records_per_segment_alpha(tiny_target, lms):
     first, second = SmallLMDrafter(close, k=2), SmallLMDrafter(far, k=3)
     cascade = HorizontalCascade([(first, 2), (second, 3)])
     out = generate(tiny_target, [1, 2, 3, 1, 2], drafter=cascade, max_new_tokens=30, stop_on_eos=False)
-    levels = out.summary()["levels"]
+    levels = out.summary().levels
     assert set(levels) == {first.name, second.name}
     accepted = sum(s.accepted for s in out.steps)
-    kept = sum(round(lv["alpha"] * lv["drafted"]) for lv in levels.values())
-    assert kept == accepted and levels[first.name]["alpha"] >= levels[second.name]["alpha"]
+    kept = sum(round(lv.alpha * lv.drafted) for lv in levels.values())
+    assert kept == accepted and levels[first.name].alpha >= levels[second.name].alpha

@@ -13,10 +13,12 @@ from hydra.errors import HydraException
 
 import cascade.run as run_mod
 from cascade.results import gather
+from cascade.summary import RunSummary
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+BENCHMARKS = sorted(f"bench/{p.stem}" for p in (CONF / "experiment" / "bench").glob("*.yaml"))
 # Experiments whose method is not implemented yet must fail with a clear message; remove a
 # name from here when its method lands (the test then fails until it is removed).
 NOT_YET_AVAILABLE: set[str] = set()
@@ -28,7 +30,7 @@ def _cfg(*overrides):
 
 
 def test_experiments_are_found():
-    assert {"ar_baseline", "sps_small_lm", "pld_ngram", "csd_two_level"} <= set(EXPERIMENTS)
+    assert {"ar", "sps", "pld", "csd_two_level"} <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -41,32 +43,89 @@ def test_every_experiment_runs_with_tiny_models(name, tmp_path):
         return
     summary = run_mod.run(cfg)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["methods"].keys() == summary["methods"].keys()
-    method = cfg.method.name
-    for key in ("tau", "alpha", "c", "tokens_per_s", "speedup", "tokens", "decomposed_speedup_per_depth", "predicted_speedup",
-                "measured_over_predicted"):
-        assert key in on_disk["methods"][method]
-    assert on_disk["methods"]["ar"]["speedup"] == 1.0
-    held = on_disk["methods"][method]["heldout"]  # debug=tiny has 2 prompts: the second predicted from the first
-    assert held["fit_prompts"] == 1 and held["test_prompts"] == 1 and held["measured_speedup"] > 0
-    info = on_disk["methods"][method]["drafter"]  # what the method is, from Drafter.describe
-    assert info["kind"] != "drafter" and isinstance(info["budget"], int) and info["name"]
-    assert on_disk["methods"]["ar"]["drafter"]["kind"] == "autoregressive"
-    assert on_disk["environment"]["torch"] and on_disk["config"]["experiment_name"] == name
+    assert on_disk["methods"].keys() == summary.methods.keys()
+    assert RunSummary.from_dict(on_disk) == summary  # written and read back as the same types
+    method = summary.methods[cfg.method.name]
+    assert method.tau >= 1 and method.tokens_per_s > 0 and method.decomposition is not None
+    assert summary.methods["ar"].speedup == 1.0
+    held = method.heldout  # debug=tiny has 2 prompts: the second predicted from the first
+    assert held.fit_prompts == 1 and held.test_prompts == 1 and held.measured_speedup > 0
+    info = method.drafter  # what the method is, from Drafter.describe
+    assert info.kind != "drafter" and isinstance(info.budget, int) and info.name
+    assert summary.methods["ar"].drafter.kind == "autoregressive"
+    assert summary.environment.torch and summary.config["experiment_name"] == name
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert {s["method"] for s in steps} == set(summary["methods"])
+    assert {s["method"] for s in steps} == set(summary.methods)
     # greedy: the method's tokens equal the baseline's, prompt by prompt
-    assert on_disk["methods"][method]["tokens"] == on_disk["methods"]["ar"]["tokens"]
+    assert method.tokens == summary.methods["ar"].tokens
+    assert method.identical_to_baseline == len(method.tokens) and not method.divergences
+
+
+def test_benchmarks_are_found():
+    assert {"bench/core", "bench/cascade", "bench/tree", "bench/drafters", "bench/categories", "bench/ewif"} <= set(BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", [b for b in BENCHMARKS if b != "bench/ewif"])
+def test_every_benchmark_runs_its_methods_interleaved_with_tiny_models(name, tmp_path):
+    """A benchmark experiment runs >= 3 methods beside the baseline in one process and writes one
+    summary with a row per method; under greedy decoding every method of cascade's own loop emits
+    exactly the baseline's tokens (float32 tiny models; transformers' generate on a stock bf16
+    copy may round a near-tie differently, and says where)."""
+    cfg = _cfg(f"+experiment={name}", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
+    summary = run_mod.run(cfg)
+    assert len(summary.compared) >= 3 and set(summary.methods) == {"ar", *cfg.methods}
+    steps = {json.loads(line)["method"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()}
+    for method_name, m in summary.compared.items():
+        if m.drafter.kind.startswith("transformers_generate"):
+            assert method_name not in steps and m.tau is None and m.tokens_per_s > 0
+            if cfg.methods[method_name].generate.model is None:  # the run's own float32 modules
+                assert m.tokens == summary.methods["ar"].tokens, method_name
+            continue
+        assert method_name in steps and m.tau >= 1.0
+        assert m.tokens == summary.methods["ar"].tokens, method_name
+        assert m.identical_to_baseline == len(m.tokens) and not m.divergences
+
+
+def test_benchmark_sweep_over_one_methods_parameter_is_gathered(tmp_path):
+    """`-m` with two values of one method's parameter: two complete jobs, each with every method,
+    gathered by `python -m cascade.results`."""
+    sweep = tmp_path / "sweep"
+    result = _cli("-m", "+experiment=bench/cascade", "debug=tiny", "methods.chain.drafter.k=2,3",
+                  f"hydra.sweep.dir={sweep}", "progress=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows, incomplete = gather(sweep)
+    assert not incomplete and len({r["dir"] for r in rows}) == 2
+    assert sorted(r["methods.chain.drafter.k"] for r in rows if r["method"] == "chain") == ["2", "3"]
+    assert {r["method"] for r in rows} == {"ar", "chain", "csd", "csd_three", "csd_horizontal"}
+    listed = _cli_results(sweep)
+    assert listed.returncode == 0 and listed.stdout.count("method=chain") == 2
+
+
+def _cli_results(path):
+    return subprocess.run([sys.executable, "-m", "cascade.results", str(path)], capture_output=True, text=True, timeout=120)
+
+
+def test_a_method_named_ar_is_refused(no_model_loading, tmp_path):
+    cfg = _cfg("+experiment=bench/cascade", "debug=tiny", "+methods.ar={name: x, drafter: {_target_: cascade.drafters.NGramDrafter}}",
+               f"output_dir={tmp_path}")
+    with pytest.raises(run_mod.ConfigError, match="baseline"):
+        run_mod.run(cfg)
+
+
+def test_bad_sampling_is_refused_before_loading(no_model_loading, tmp_path):
+    cfg = _cfg("+experiment=pld", "sampling=sample", "sampling.top_p=1.5", f"output_dir={tmp_path}")
+    with pytest.raises(run_mod.ConfigError, match="top_p"):
+        run_mod.run(cfg)
 
 
 def test_unavailable_method_class_is_reported(no_model_loading, tmp_path):
-    cfg = _cfg("+experiment=pld_ngram", "method.drafter._target_=cascade.drafters.NotYetWritten", f"output_dir={tmp_path}")
+    cfg = _cfg("+experiment=pld", "method.drafter._target_=cascade.drafters.NotYetWritten", f"output_dir={tmp_path}")
     with pytest.raises(run_mod.ConfigError, match="NotYetWritten, which is not yet available"):
         run_mod.run(cfg)
 
 
 def test_rerun_into_same_directory_is_refused(tmp_path):
-    cfg = _cfg("+experiment=pld_ngram", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
+    cfg = _cfg("+experiment=pld", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
     run_mod.run(cfg)
     before = (tmp_path / "summary.json").read_text()
     with pytest.raises(FileExistsError, match="refusing to mix runs"):
@@ -89,17 +148,17 @@ def test_unknown_experiment():
 
 def test_misspelled_key():
     with pytest.raises(HydraException, match="metod"):
-        _cfg("+experiment=sps_small_lm", "metod.k=3")
+        _cfg("+experiment=sps", "metod.k=3")
 
 
 def test_missing_required_value(no_model_loading, tmp_path):
-    cfg = _cfg("+experiment=pld_ngram", "dataset=jsonl", f"output_dir={tmp_path}")
+    cfg = _cfg("+experiment=pld", "dataset=jsonl", f"output_dir={tmp_path}")
     with pytest.raises(run_mod.ConfigError, match="missing required value.*dataset.path"):
         run_mod.run(cfg)
 
 
 def test_dataset_file_missing(no_model_loading, tmp_path):
-    cfg = _cfg("+experiment=pld_ngram", "dataset=jsonl", f"dataset.path={tmp_path}/absent.jsonl", f"output_dir={tmp_path}")
+    cfg = _cfg("+experiment=pld", "dataset=jsonl", f"dataset.path={tmp_path}/absent.jsonl", f"output_dir={tmp_path}")
     with pytest.raises(FileNotFoundError, match="absent.jsonl"):
         run_mod.run(cfg)
 
@@ -107,7 +166,7 @@ def test_dataset_file_missing(no_model_loading, tmp_path):
 def test_dataset_malformed_line(no_model_loading, tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": oops}\n')
-    cfg = _cfg("+experiment=pld_ngram", "dataset=jsonl", f"dataset.path={path}", f"output_dir={tmp_path}")
+    cfg = _cfg("+experiment=pld", "dataset=jsonl", f"dataset.path={path}", f"output_dir={tmp_path}")
     with pytest.raises(ValueError, match=r"p.jsonl:3: malformed JSON"):
         run_mod.run(cfg)
 
@@ -120,12 +179,12 @@ def _cli(*args, cwd):
 
 def test_multirun_sweep_gives_one_directory_per_job(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", "+experiment=sps_small_lm", "debug=tiny", "method.drafter.k=1,2", f"hydra.sweep.dir={sweep}", "progress=false"]
+    args = ["-m", "+experiment=sps", "debug=tiny", "method.drafter.k=1,2", f"hydra.sweep.dir={sweep}", "progress=false"]
     first = _cli(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     summaries = sorted(sweep.glob("*/summary.json"))
     assert len(summaries) == 2
-    ks = sorted(json.loads(p.read_text())["config"]["method"]["drafter"]["k"] for p in summaries)
+    ks = sorted(RunSummary.from_dict(json.loads(p.read_text())).methods["sps"].drafter.budget for p in summaries)
     assert ks == [1, 2]
     rows, incomplete = gather(sweep)
     assert sorted(r["method.drafter.k"] for r in rows if r["method"] == "sps") == ["1", "2"] and not incomplete
@@ -138,7 +197,7 @@ def test_multirun_sweep_gives_one_directory_per_job(tmp_path):
 def test_submitit_launcher_local_executor(tmp_path):
     sweep = tmp_path / "sweep"
     result = _cli(
-        "-m", "+experiment=pld_ngram", "debug=tiny", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+        "-m", "+experiment=pld", "debug=tiny", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
         "seed=1,2", f"hydra.sweep.dir={sweep}", "progress=false", cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -150,10 +209,10 @@ def test_resume_launches_only_incomplete_jobs(launcher, tmp_path):
     """A job that died (no summary.json) is reported, and the same command with resume=true
     launches only it; complete jobs are not launched and their files are not touched. The default
     sweep directory holds a timestamp, so resume finds the earlier sweep with the same overrides."""
-    args = ["-m", "+experiment=pld_ngram", "debug=tiny", "seed=1,2,3", f"hydra/launcher={launcher}", "progress=false"]
+    args = ["-m", "+experiment=pld", "debug=tiny", "seed=1,2,3", f"hydra/launcher={launcher}", "progress=false"]
     first = _cli(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    (sweep,) = (tmp_path / "multirun" / "pld_ngram").iterdir()
+    (sweep,) = (tmp_path / "multirun" / "pld").iterdir()
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert len(jobs) == 3
     (jobs[1] / "summary.json").unlink()  # as if job 1 had been killed before writing its summary
@@ -162,16 +221,16 @@ def test_resume_launches_only_incomplete_jobs(launcher, tmp_path):
     second = _cli(*args, "resume=true", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     said = second.stdout + second.stderr
-    assert f"resume: sweep multirun/pld_ngram/{sweep.name}" in said and "job #0 is complete, not launched" in said and "job #2 is complete" in said
+    assert f"resume: sweep multirun/pld/{sweep.name}" in said and "job #0 is complete, not launched" in said and "job #2 is complete" in said
     assert (jobs[1] / "summary.json").is_file()
     for job, files in kept.items():  # untouched, byte for byte and mtime
         assert [(p, p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(job.rglob("*")) if p.is_file()] == files
-    assert [p.name for p in (tmp_path / "multirun" / "pld_ngram").iterdir()] == [sweep.name]
+    assert [p.name for p in (tmp_path / "multirun" / "pld").iterdir()] == [sweep.name]
     rows, incomplete = gather(sweep)
     assert len({r["dir"] for r in rows}) == 3 and not incomplete
     assert all("resume" not in r for r in rows)
 
 
 def test_resume_without_an_earlier_sweep_is_refused(tmp_path):
-    result = _cli("-m", "+experiment=pld_ngram", "debug=tiny", "seed=1,2", "resume=true", cwd=tmp_path)
+    result = _cli("-m", "+experiment=pld", "debug=tiny", "seed=1,2", "resume=true", cwd=tmp_path)
     assert result.returncode != 0 and "no earlier sweep" in result.stderr

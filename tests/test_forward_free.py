@@ -230,7 +230,7 @@ def test_run_summary_has_per_category_results(tmp_path):
     cfg = _cfg("+experiment=token_recycling", "debug=tiny", "dataset.name=jsonl", f"dataset.path={path}", "dataset.max_new_tokens=6",
                "dataset.chat_template=false", "dataset.num_prompts=null", f"output_dir={tmp_path / 'out'}", "progress=false")
     summary = run(cfg)
-    cats = summary["methods"]["token_recycling"]["by_category"]
-    assert list(cats) == ["x", "y"] and cats["x"]["prompts"] == 2 and cats["y"]["prompts"] == 1
-    assert summary["methods"]["ar"]["by_category"]["x"]["speedup"] == 1.0
+    cats = summary.methods["token_recycling"].by_category
+    assert list(cats) == ["x", "y"] and cats["x"].prompts == 2 and cats["y"].prompts == 1
+    assert summary.methods["ar"].by_category["x"].speedup == 1.0
     assert Prompt("a", "b").chat is None

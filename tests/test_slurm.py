@@ -40,7 +40,7 @@ def cluster():
 def _sweep_cmd(sweep: Path, *extra: str) -> list[str]:
     # SmolLM2-135M (the suite's real model; a tiny random model finishes before it can be killed):
     # jobs 0 and 1 decode a few tokens, job 2 enough to be killed while it decodes
-    return [sys.executable, "-m", "cascade.run", "-m", "hydra/launcher=slurm", "+experiment=pld_ngram", "debug=tiny",
+    return [sys.executable, "-m", "cascade.run", "-m", "hydra/launcher=slurm", "+experiment=pld", "debug=tiny",
             "models.target=smollm2-135m", "dataset.max_new_tokens=4,8,64", "dataset.num_prompts=4", "threads=1",
             "progress=false", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", *extra]
 
