@@ -13,7 +13,8 @@ from cascade.drafters import ConfidenceStop, LayerSkipDrafter, NGramDrafter, Qua
 from cascade.models import load_model, perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import head_logits, layer_lengths, run_layers
-from cascade.tree_drafter import DynamicTreePolicy, StaticTreePolicy, TreeDrafter
+from cascade.tree_drafter import TreeDrafter
+from cascade.trees import DynamicTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
 from stat_utils import LEVEL, lossless_pvalue
 

@@ -43,7 +43,6 @@ def test_every_experiment_runs_with_tiny_models(name, tmp_path):
         return
     summary = run_mod.run(cfg)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["methods"].keys() == summary.methods.keys()
     assert RunSummary.from_dict(on_disk) == summary  # written and read back as the same types
     method = summary.methods[cfg.method.name]
     assert method.tau >= 1 and method.tokens_per_s > 0 and method.decomposition is not None

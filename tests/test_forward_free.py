@@ -17,7 +17,8 @@ from cascade.data import DataError, DataFile, Prompt, load_prompts, mixed
 from cascade.drafters import Datastore, SmallLMDrafter, SuffixDrafter, TokenRecyclingDrafter
 from cascade.drafters.recycling import UNKNOWN
 from cascade.drafters.suffix import SEP, suffix_array
-from cascade.tree_drafter import DynamicTreePolicy, TreeDrafter
+from cascade.tree_drafter import TreeDrafter
+from cascade.trees import DynamicTreePolicy
 from cascade.types import Scored, VerifyResult
 
 

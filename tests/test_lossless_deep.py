@@ -23,7 +23,8 @@ from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.models.pruned_head import prune_head
 from cascade.sampling import logits_to_probs
-from cascade.tree_drafter import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy, TreeDrafter
+from cascade.tree_drafter import TreeDrafter
+from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
 from deep_stats import LEVEL, exact_law, hf_warpers, lossless_pvalue, sample_outputs
 

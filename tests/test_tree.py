@@ -13,7 +13,8 @@ from cascade.drafters import LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter,
 from cascade.estimators import AcceptanceTable, VerifyCost
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.tree import children_of, depths_of, path_to, tree_mask, tree_positions
-from cascade.tree_drafter import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy, TreeDrafter
+from cascade.tree_drafter import TreeDrafter
+from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import ACCEPTED, REJECTED, UNJUDGED, SamplingConfig, VerifyResult
 from cascade.verify import Verifier, accept_greedy, accept_sampled
 from stat_utils import LEVEL, lossless_pvalue
@@ -134,7 +135,7 @@ def _trees(target, close):
         # measured costs: on tiny models a drafter forward costs about a target forward, so the
         # policy mostly stops drafting; only equality is checked
         "dynamic_measured": lambda: TreeDrafter(
-            [SmallLMDrafter(close), NGramDrafter(k=3), LayerSkipDrafter(1)], DynamicTreePolicy(t_min=0.2, max_nodes=16), calibrate=True
+            [SmallLMDrafter(close), NGramDrafter(k=3), LayerSkipDrafter(1)], DynamicTreePolicy(t_min=0.2, max_nodes=16, calibrate=True)
         ),
         "reranked": lambda: TreeDrafter([SmallLMDrafter(close)], RerankedTreePolicy(top_k=3, depth=4, max_nodes=8)),
         # the other LM drafter kinds, level by level (Kangaroo: tests/test_drafter_zoo.py)
@@ -170,15 +171,15 @@ def test_tree_greedy_equals_autoregressive(name, tiny_target, tiny_close_drafter
 
 def test_dynamic_policy_logs_estimates_and_learns(tiny_target, tiny_close_drafter, tiny_far_drafter):
     drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter), SmallLMDrafter(tiny_far_drafter, name="far")],
-                          DynamicTreePolicy(t_min=0.3, max_nodes=12, measure_costs=False), calibrate=True)
+                          DynamicTreePolicy(t_min=0.3, max_nodes=12, measure_costs=False, calibrate=True))
     for seed in range(3):
         out = generate(tiny_target, [1, 2, 3, seed], drafter=drafter, max_new_tokens=30, stop_on_eos=False)
     logged = [s.tree for s in out.steps if s.tree is not None]  # the last step has no budget to draft
     assert len(logged) >= len(out.steps) - 1
     est = logged[-1].estimates
     assert est["verify_fit_s"] is not None and est["forward_fit_s"]
-    close = drafter.alpha.mean(drafter.names[0], "depth1")
-    far = drafter.alpha.mean(drafter.names[1], "depth1")
+    close = drafter.policy.acceptance.table.mean(drafter.names[0], "depth1")
+    far = drafter.policy.acceptance.table.mean(drafter.names[1], "depth1")
     assert close > far
     # the policy spends its nodes on the better drafter
     per = [d for stats in logged for d in stats.node_drafters]
@@ -186,12 +187,12 @@ def test_dynamic_policy_logs_estimates_and_learns(tiny_target, tiny_close_drafte
 
 
 def test_censoring_unjudged_nodes_are_not_failures():
-    table = AcceptanceTable()
     drafter = TreeDrafter([NGramDrafter(k=2)], DynamicTreePolicy())
-    drafter.alpha = table
-    from cascade.tree_drafter import _Node
+    table = drafter.policy.acceptance.table
+    assert isinstance(table, AcceptanceTable)
+    from cascade.trees.growth import Node
 
-    drafter._last = [_Node(1, -1, 1, 0, 1, None, 1.0), _Node(2, 0, 2, 0, 1, None, 1.0), _Node(3, 1, 3, 0, 1, None, 1.0)]
+    drafter._verified = [Node(1, -1, 1, 0, 1, None, 1.0), Node(2, 0, 2, 0, 1, None, 1.0), Node(3, 1, 3, 0, 1, None, 1.0)]
     drafter.observe([0], VerifyResult(0, 9, False, [], [REJECTED, UNJUDGED, UNJUDGED]))
     assert table.get(drafter.names[0], "depth1").n == 1
     assert not table.seen(drafter.names[0], "depth2") and not table.seen(drafter.names[0], "depth3")
@@ -314,9 +315,9 @@ class _SlowFirstCall(SmallLMDrafter):
 def test_prefill_call_does_not_set_the_cost_estimate(tiny_target, tiny_close_drafter):
     """Regression: a prefill-sized first call made the policy stop calling the drafter for good.
     The drafter's catch-up on the prompt is now its own timed step (Drafter.prefill)."""
-    drafter = TreeDrafter([_SlowFirstCall(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8), calibrate=True)
+    drafter = TreeDrafter([_SlowFirstCall(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, calibrate=True))
     out = generate(tiny_target, [1, 2, 3, 4], drafter=drafter, max_new_tokens=20, stop_on_eos=False)
-    times = [t for _, t in drafter.fcost[drafter.names[0]].obs]
+    times = [t for _, t in drafter.policy.prices.forward_seconds[drafter.names[0]].obs]
     assert times and max(times) < 0.1  # the forward-cost fit never saw the prompt's catch-up
     assert sum(s.drafted for s in out.steps) > 0
     assert out.drafter_prefill_time_s >= 0.3  # the slow call happened, in the prefill step
@@ -342,7 +343,7 @@ class _SlowLevels(SmallLMDrafter):
 def test_dynamic_policy_stops_drafting_when_it_does_not_pay(tiny_target, tiny_close_drafter):
     """Do no harm: with a drafter far more expensive than the target, the policy measures its
     cost and drafts only on exploration steps (every 8th here) after the first ones."""
-    drafter = TreeDrafter([_SlowLevels(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, explore=8), calibrate=True)
+    drafter = TreeDrafter([_SlowLevels(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, explore=8, calibrate=True))
     out = generate(tiny_target, [1, 2, 3, 4], drafter=drafter, max_new_tokens=48, stop_on_eos=False)
     drafting = [s.step for s in out.steps if s.drafted]
     assert drafting and drafting[0] == 0  # the prior said it might pay: it tried

@@ -1,0 +1,78 @@
+"""α̂ of tree nodes, learned from verification: what every tree policy's node reach is made of.
+
+Three families of keys per drafter (``cascade.estimators.AcceptanceTable``, censoring-aware):
+``depth{d}`` (a drafter's first child at depth d), ``rank{r}`` (its r-th sampled sibling) and
+``conf{b}`` (a deterministic child whose drafter probability falls in bucket b, calibrated
+online; the prior is a calibrated drafter, worth two observations).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from cascade.estimators import AcceptanceTable
+from cascade.trees.growth import Node
+from cascade.types import ACCEPTED, REJECTED
+
+# confidence buckets of a deterministic child (the drafter's probability of its token)
+CONF_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)
+CONF_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)
+
+
+def conf_bucket(conf: float) -> int:
+    return bisect.bisect_right(CONF_EDGES, conf)
+
+
+def _conf_prior(bucket: int) -> tuple[float, float]:
+    return 2 * CONF_MIDS[bucket], 2 * (1 - CONF_MIDS[bucket])
+
+
+class NodeAcceptance:
+    """α̂ per drafter (by its name in the tree: ``names[i]``)."""
+
+    def __init__(self, names: list[str], prior: tuple[float, float] = (1.0, 1.0)) -> None:
+        self.names = names
+        self.table = AcceptanceTable(prior=tuple(prior))
+
+    def first_child(self, i: int, depth: int) -> float:
+        """α̂ of drafter i's first child at ``depth``; an unseen depth borrows the deepest seen one
+        above it (acceptance changes slowly with depth), else the prior."""
+        name = self.names[i]
+        for d in range(depth, 0, -1):
+            if self.table.seen(name, f"depth{d}"):
+                return self.table.mean(name, f"depth{d}")
+        return self.table.mean(name, f"depth{depth}")
+
+    def sibling(self, i: int, depth: int, rank: int) -> float:
+        """P(the rank-th sampled child is accepted | its parent is reached), from estimates only
+        (decided before it is drawn: its inclusion must not depend on its own value)."""
+        def alpha(r: int) -> float:
+            return self.first_child(i, depth) if r == 1 else self.table.mean(self.names[i], f"rank{r}")
+
+        value = alpha(rank)
+        for r in range(1, rank):
+            value *= 1 - alpha(r)
+        return value
+
+    def confident(self, i: int, conf: float) -> float:
+        """α̂ of a deterministic child whose drafter probability is ``conf``: for ranked children
+        the events "the target's argmax is this token" are disjoint, so values add."""
+        b = conf_bucket(conf)
+        return self.table.mean(self.names[i], f"conf{b}", prior=_conf_prior(b))
+
+    def observe(self, nodes: list[Node], judgements: list[int]) -> None:
+        """Learn from the judged nodes; unjudged ones (below a rejection) are not failures."""
+        for node, verdict in zip(nodes, judgements):
+            if verdict not in (ACCEPTED, REJECTED):
+                continue
+            name, ok = self.names[node.drafter], verdict == ACCEPTED
+            if node.rank == 1:
+                self.table.update(name, f"depth{node.depth}", ok)
+            elif node.q is not None:
+                self.table.update(name, f"rank{node.rank}", ok)
+            if node.conf is not None:
+                b = conf_bucket(node.conf)
+                self.table.update(name, f"conf{b}", ok, prior=_conf_prior(b))
+
+    def snapshot(self) -> dict:
+        return self.table.snapshot()

@@ -1,0 +1,248 @@
+"""CAS-Spec's Dynamic Tree Cascade (DyTC), priced per level.
+
+The tree grows one depth at a time. At each depth the policy decides which frontier nodes each
+drafter expands and how many children each gets, by expected accepted tokens per unit of cost,
+in target-step units:
+
+    step so far      gain  = 1 + sum reach(node)       cost = 1 + drafter calls + Δverify * nodes
+    expand node x    gain += reach(x) * α̂_d            cost += ĉ(w) - ĉ(w - 1) + Δverify
+    add a child      gain += reach(x) * α̂(child)       cost += Δverify
+
+and takes an expansion while its gain / cost >= max(t_min, the step's gain / cost so far): the
+seed's rule (stop a branch when α̂ / ĉ * prod α̂ < t_min) with the threshold raised to the step's
+own expected tokens per cost, so an expansion must improve the expected throughput of the step.
+The empty tree (plain decoding, 1 / 1) and the chain of one drafter are in this space: when
+drafting does not pay the policy stops drafting (every ``explore``-th step still drafts one level,
+so the estimates stay current).
+
+Pricing (:class:`CallPrices`): ĉ(w) is an LM drafter's forward time at width w, fitted online
+(a + b w; linear in w until two widths are seen); a forward-free drafter's proposal time (EMA);
+Δverify the fitted growth of verification time per node; all divided by the time of a one-input
+target forward. α̂ (``NodeAcceptance``): a deterministic child's from its confidence bucket, a
+sampled child's from its depth and sibling rank, decided before it is drawn.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cascade.estimators import DrafterCost, VerifyCost
+from cascade.models.lm import CausalLM
+from cascade.trees.growth import LevelCalls, Tree
+from cascade.trees.policy import TreePolicy
+
+
+class CallPrices:
+    """What drafter calls and verification cost, in target steps, measured as decoding goes."""
+
+    def __init__(self, names: list[str], policy: "DynamicTreePolicy") -> None:
+        self.names, self.policy = names, policy
+        self.lookup_seconds = DrafterCost()  # forward-free drafters: seconds per proposal
+        self.forward_seconds = {n: VerifyCost() for n in names}  # LM drafters: seconds per forward of width w
+        self.verify_seconds = VerifyCost()  # the target: seconds per forward of n inputs
+
+    def record(self, tree: Tree, seen: int) -> int:
+        """Take the tree's drafter-call timings from index ``seen`` on; returns the new count."""
+        for t in tree.timings[seen:]:
+            if t.width:
+                self.forward_seconds[self.names[t.drafter]].update(t.width, t.seconds)
+            else:
+                self.lookup_seconds.update(self.names[t.drafter], t.seconds)
+        return len(tree.timings)
+
+    def calibrate(self, target: CausalLM) -> None:
+        """Time target forwards of a few sizes on a scratch cache (fits Δverify before decoding)."""
+        cache = target.new_cache()
+        target.forward([0] * 64, cache)
+        for n in (1, 4, 8, 16, 32, 1, 16):
+            t0 = time.perf_counter()
+            target.forward([0] * n, cache)
+            self.verify_seconds.update(n, time.perf_counter() - t0)
+            target.crop(cache, 64)
+
+    def target_step(self) -> float | None:
+        """Seconds of a one-input target forward (one autoregressive step), when measured."""
+        if not self.policy.measure_costs:
+            return None  # every price then comes from the policy's priors
+        step = self.verify_seconds.predict(1)
+        return step if step is not None and step > 0 else None
+
+    def verify_per_node(self) -> float:
+        """Δverify: growth of the verification forward per tree node."""
+        step, fit = self.target_step(), self.verify_seconds.fit()
+        if step is None or fit is None or len({n for n, _ in self.verify_seconds.obs}) < 2:
+            return self.policy.prior_verify_slope
+        return fit[1] / step
+
+    def forward(self, i: int, width: int) -> float:
+        """ĉ(width): LM drafter i's forward over ``width`` nodes (0 for width 0)."""
+        if width <= 0:
+            return 0.0
+        step, seconds = self.target_step(), self.forward_seconds[self.names[i]]
+        if step is None or not seconds.obs:
+            return self.policy.prior_drafter_cost * width
+        a, b = seconds.fit()
+        if len({n for n, _ in seconds.obs}) < 2:  # one width seen: assume linear growth until another is
+            one = seconds.predict(1) if b > 0 else a
+            return one * width / step
+        return (a + b * width) / step
+
+    def lookup(self, i: int) -> float:
+        step, s = self.target_step(), self.lookup_seconds.get(self.names[i])
+        return self.policy.prior_lookup_cost if step is None or s is None else s / step
+
+    def snapshot(self) -> dict:
+        fit = self.verify_seconds.fit()
+        return {
+            "drafter_cost_s": {k: round(v, 6) for k, v in self.lookup_seconds.seconds.items()},
+            "forward_fit_s": {k: [round(x, 6) for x in c.fit()] for k, c in self.forward_seconds.items() if c.obs},
+            "verify_fit_s": None if fit is None else [round(fit[0], 6), round(fit[1], 6)],
+        }
+
+
+@dataclass
+class _StepValue:
+    """Expected tokens and cost of the step so far, in target steps."""
+
+    gain: float = 1.0
+    cost: float = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self.gain / self.cost
+
+
+@dataclass
+class DynamicTreePolicy(TreePolicy):
+    t_min: float = 0.7  # never expand below this many expected tokens per target-step of cost
+    max_nodes: int = 32
+    max_depth: int = 10
+    max_rank: int = 4  # most children one LM drafter may add to one node
+    prior_drafter_cost: float = 0.2  # an LM drafter's one-node forward before it is measured, in target steps
+    prior_lookup_cost: float = 0.01  # a forward-free drafter's proposal before it is measured
+    prior_verify_slope: float = 0.02  # Δverify per node before it is fitted, in target steps
+    prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of every depth / rank α̂
+    explore: int = 16  # every explore-th step drafts one level even when it does not pay (0: never)
+    measure_costs: bool = True  # False: price with the priors only (deterministic shapes, e.g. tiny test models)
+    calibrate: bool = False  # time target forwards of 1..32 inputs once, before decoding (fits Δverify)
+    kind = "dytc"
+    steps: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.t_min < 0 or self.max_nodes < 1 or self.max_depth < 1 or self.max_rank < 1 or self.explore < 0:
+            raise ValueError(f"invalid dynamic tree policy {self}")
+        self._calibrated = False
+
+    def setup(self, names, calls: LevelCalls) -> None:
+        super().setup(names, calls)
+        self.prices = CallPrices(names, self)
+
+    def start(self, target: CausalLM) -> None:
+        if self.calibrate and not self._calibrated:
+            self.prices.calibrate(target)
+            self._calibrated = True
+
+    @property
+    def budget(self) -> int:
+        return self.max_nodes
+
+    def observe(self, nodes, result, verify_time_s) -> None:
+        super().observe(nodes, result, verify_time_s)
+        if verify_time_s is not None:
+            self.prices.verify_seconds.update(len(nodes) + 1, verify_time_s)
+
+    def estimates(self) -> dict:
+        return {**super().estimates(), **self.prices.snapshot()}
+
+    def grow(self, tree: Tree, calls: LevelCalls, budget: int) -> list[int]:
+        self.steps += 1
+        exploring = self.explore > 0 and self.steps % self.explore == 0
+        per_node = max(self.prices.verify_per_node(), 1e-6)
+        step = _StepValue()
+        frontier = [-1]
+        for depth in range(1, min(self.max_depth, budget) + 1):
+            level: list[int] = []
+            for i in range(len(calls.drafters)):
+                if len(tree.nodes) >= self.max_nodes or not frontier:
+                    break
+                must_try = exploring and depth == 1
+                by_reach = sorted(frontier, key=lambda x: -tree.reach(x))
+                grow_level = self._lm_level if calls.is_lm(i) else self._lookup_level
+                level += grow_level(tree, calls, i, depth, by_reach, step, per_node, must_try)
+            frontier = level
+            if not frontier:
+                break
+        return list(range(len(tree.nodes)))
+
+    def _worth(self, gain: float, cost: float, step: _StepValue) -> bool:
+        return gain / cost >= max(self.t_min, step.rate)
+
+    def _lookup_level(self, tree, calls, i, depth, by_reach, step, per_node, must_try) -> list[int]:
+        """A forward-free drafter proposes below the most reached nodes while it pays."""
+        added = []
+        for x in by_reach:
+            gain, cost = tree.reach(x) * self.acceptance.first_child(i, depth), self.prices.lookup(i) + per_node
+            if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, cost, step) or must_try):
+                break
+            seen = len(tree.timings)
+            token, q = calls.lookup(tree, i, x)
+            self.prices.record(tree, seen)
+            step.cost += self.prices.lookup(i)
+            if token is not None and (q is not None or token not in tree.taken.get(x, set())):
+                added.append(tree.add(x, i, 1, token, q, gain))
+                step.gain, step.cost = step.gain + gain, step.cost + per_node
+        return added
+
+    def _lm_level(self, tree, calls, i, depth, by_reach, step, per_node, must_try) -> list[int]:
+        # 1. which frontier nodes to expand: one forward of width w, priced as it grows
+        alpha_first = self.acceptance.first_child(i, depth)
+        extra = 0 if i in tree.started or depth == 1 else 1  # a late start also feeds the root
+        expand, trial = [], _StepValue(step.gain, step.cost)
+        for x in by_reach[: self.max_nodes - len(tree.nodes)]:
+            width = len(expand) + 1 + extra
+            gain = tree.reach(x) * alpha_first
+            cost = self.prices.forward(i, width) - self.prices.forward(i, width - 1) + per_node
+            if not self._worth(gain, cost, trial) and not (must_try and not expand):
+                break
+            expand.append(x)
+            trial.gain, trial.cost = trial.gain + gain, trial.cost + cost - per_node
+        if not expand:
+            return []
+        step.cost += self.prices.forward(i, len(expand) + extra)
+        seen = len(tree.timings)
+        logits = calls.forward(tree, i, expand)
+        self.prices.record(tree, seen)
+        # 2. which children to add: each costs Δverify; best first across the level
+        if calls.deterministic(i):
+            return self._ranked_children(tree, calls, i, expand, logits, step, per_node, must_try)
+        return self._sampled_children(tree, calls, i, depth, expand, logits, step, per_node, must_try)
+
+    def _ranked_children(self, tree, calls, i, expand, logits, step, per_node, must_try) -> list[int]:
+        candidates = [(tree.reach(x) * self.acceptance.confident(i, conf), x, rank, token, conf)
+                      for x in expand
+                      for rank, (token, conf) in enumerate(calls.ranked(tree, x, logits[x], self.max_rank), start=1)]
+        candidates.sort(key=lambda c: -c[0])
+        added = []
+        for n, (gain, x, rank, token, conf) in enumerate(candidates):
+            if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, step) or (must_try and n == 0)):
+                break
+            if token in tree.taken.get(x, set()):
+                continue
+            added.append(tree.add(x, i, rank, token, None, gain, conf))
+            step.gain, step.cost = step.gain + gain, step.cost + per_node
+        return added
+
+    def _sampled_children(self, tree, calls, i, depth, expand, logits, step, per_node, must_try) -> list[int]:
+        """Each sibling is decided before it is drawn (its inclusion must not depend on its value)."""
+        added = []
+        for n, x in enumerate(expand):
+            q = calls.q(logits[x])  # [V]
+            for rank in range(1, self.max_rank + 1):
+                gain = tree.reach(x) * self.acceptance.sibling(i, depth, rank)
+                first = must_try and n == 0 and rank == 1
+                if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, step) or first):
+                    break
+                added.append(tree.add(x, i, rank, calls.draw(q), q, gain))
+                step.gain, step.cost = step.gain + gain, step.cost + per_node
+        return added

@@ -1,0 +1,46 @@
+"""The tree-policy protocol: how a ``TreeDrafter`` asks a policy to grow a tree and learn.
+
+A policy is a small stateful object (its estimates persist across steps and prompts: they
+describe the models, not a prompt):
+
+``setup(names, calls)``      once the drafters are known (check them, create estimates)
+``start(target)``            before each generation (e.g. time target forwards once)
+``grow(tree, calls, budget)``   grow ``tree`` through ``calls``; return the nodes to verify
+                             (closed under ancestors, increasing), never deeper than ``budget``
+``observe(nodes, result, verify_time_s)``   the verified nodes' judgements and the forward's time
+``estimates()``              what it acted on, logged per step (JSON)
+``budget``, ``kind``         most nodes per tree; a short name ("static", "reranked", "dytc")
+"""
+
+from __future__ import annotations
+
+from cascade.models.lm import CausalLM
+from cascade.trees.acceptance import NodeAcceptance
+from cascade.trees.growth import LevelCalls, Node, Tree
+from cascade.types import VerifyResult
+
+
+class TreePolicy:
+    """Base of the policies: node acceptance learned from every verification."""
+
+    kind = "tree"
+    prior: tuple[float, float] = (1.0, 1.0)
+
+    def setup(self, names: list[str], calls: LevelCalls) -> None:
+        self.acceptance = NodeAcceptance(names, self.prior)
+
+    def start(self, target: CausalLM) -> None:
+        pass
+
+    def grow(self, tree: Tree, calls: LevelCalls, budget: int) -> list[int]:
+        raise NotImplementedError
+
+    def observe(self, nodes: list[Node], result: VerifyResult, verify_time_s: float | None) -> None:
+        self.acceptance.observe(nodes, result.judgements)
+
+    def estimates(self) -> dict:
+        return {"alpha": self.acceptance.snapshot()}
+
+    @property
+    def budget(self) -> int:
+        raise NotImplementedError
