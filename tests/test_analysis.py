@@ -149,3 +149,18 @@ def test_per_category_columns_and_figure(tmp_path):
     _check_image(paths)
     ax = fig.axes[0]
     assert len(ax.patches) == 6 and [t.get_text() for t in ax.get_xticklabels()] == ["code", "chat", "overall"]
+
+
+def test_plot_run_draws_a_multi_method_run(tmp_path, capsys):
+    """analysis.plot_run on one benchmark run: speedup bars over every method with their range
+    across prompts, and the DyTC tree's trajectories from steps.jsonl."""
+    from analysis.plot_run import main as plot_run_main
+
+    job = tmp_path / "tree"
+    _run(job, "+experiment=bench/tree", "debug=tiny", f"output_dir={job}", "progress=false", "warmup=false")
+    assert plot_run_main([str(job), "--out", str(tmp_path / "figs")]) == 0
+    names = {p.name for p in (tmp_path / "figs").iterdir()}
+    assert {"speedup_bench_tree_builtin.png", "tree_trajectories_dytc_builtin.png"} <= names
+    assert not any(n.startswith("tree_trajectories_static") for n in names)  # only the priced tree
+    for stem in ("speedup_bench_tree_builtin", "tree_trajectories_dytc_builtin"):
+        _check_image([tmp_path / "figs" / f"{stem}.png", tmp_path / "figs" / f"{stem}.pdf"])
