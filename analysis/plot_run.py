@@ -36,7 +36,11 @@ def plot_job(job, out: str) -> list:
         written += figures.speedup_by_category(speed, cats + ["overall"], title, out,
                                                name=f"speedup_by_category_{run.experiment.replace('/', '_')}")[1]
     first = next(iter(run.methods[run.baseline].tokens), None)
-    for name in (n for n, m in run.compared.items() if m.drafter.kind == "dytc_tree"):  # the priced trees
+    priced = [n for n, m in run.compared.items() if m.drafter.kind == "dytc_tree"]  # the trees with a cost model
+    if priced and not (job.dir / "steps.jsonl").is_file():
+        print(f"{job.dir}: no steps.jsonl, so no tree trajectories", file=sys.stderr)
+        priced = []
+    for name in priced:
         steps = [{"nodes": s["drafted"], "accepted": s["accepted"], "estimates": s["tree"]["estimates"]}
                  for s in job.steps() if s["method"] == name and s["prompt"] == first and s.get("tree")
                  and s["tree"]["estimates"].get("alpha")]
