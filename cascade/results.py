@@ -35,7 +35,8 @@ def _read_json(path: Path) -> dict:
 
 
 def overrides(job: Path) -> dict[str, str]:
-    """The job's swept parameters (Hydra overrides), without the experiment/debug selectors."""
+    """The job's swept parameters (Hydra overrides), without the experiment/debug selectors and the
+    switches that do not change what a job measures (resume, progress)."""
     path = job / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return {}
@@ -44,7 +45,7 @@ def overrides(job: Path) -> dict[str, str]:
     except yaml.YAMLError as exc:
         raise GatherError(f"{path}: not valid YAML ({exc})") from exc
     return {k.lstrip("+~"): v for k, v in (item.split("=", 1) for item in items if "=" in item)
-            if k.lstrip("+~") not in ("experiment", "debug", "resume")}
+            if k.lstrip("+~") not in ("experiment", "debug", "resume", "progress")}
 
 
 def job_dirs(root: str | Path) -> list[Path]:
