@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sys
+
 import pandas as pd
 
 from cascade.results import GatherError, Job, load_jobs  # noqa: F401  (re-exported for analysis users)
@@ -40,3 +42,14 @@ def table(root: str | Path) -> tuple[pd.DataFrame, list[Path]]:
                 **{f"{k}[{c}]": getattr(v, k) for c, v in (m.by_category or {}).items() for k in ("speedup", "tau")},
             })
     return pd.DataFrame(rows), incomplete
+
+
+def complete_jobs(root: str | Path) -> list[Job]:
+    """The complete jobs under ``root`` for a command-line tool: each incomplete job and an empty
+    result are reported on stderr (the caller exits non-zero on an empty list)."""
+    jobs, incomplete = load_jobs(root)
+    for d in incomplete:
+        print(f"skipped incomplete job: {d}", file=sys.stderr)
+    if not jobs:
+        print(f"no complete job under {root}", file=sys.stderr)
+    return jobs

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from analysis import figures
-from analysis.gather import GatherError, load_jobs
+from analysis.gather import GatherError, complete_jobs
 
 
 def _methods(job) -> list[str]:
@@ -26,14 +26,6 @@ def _methods(job) -> list[str]:
     if not names:
         raise GatherError(f"{job.dir}: only the baseline was run")
     return names
-
-
-def _spread(job, name: str) -> tuple[float, float]:
-    base = job.summary.methods[job.summary.baseline].tokens_per_s_by_prompt
-    mine = job.summary.methods[name].tokens_per_s_by_prompt
-    ratios = [mine[p] / base[p] for p in mine if p in base and base[p] > 0]
-    s = job.summary.methods[name].speedup
-    return (min(ratios), max(ratios)) if ratios else (s, s)
 
 
 def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
@@ -50,7 +42,7 @@ def chain_points(jobs) -> tuple[list[dict], float, float, callable, str]:
         k = info.budget
         if not k or info.parts or d.alpha is None:
             continue
-        lo, hi = _spread(job, name)
+        lo, hi = job.summary.speedup_range(name)
         points.append({"gamma": int(k), "speedup": m.speedup, "lo": lo, "hi": hi})
         n = d.drafted_per_step * d.target_forwards
         acc += d.alpha * n
@@ -79,11 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", help="a run directory or a multirun sweep directory")
     ap.add_argument("--out", required=True, help="figure directory (PNG and PDF)")
     args = ap.parse_args(argv)
-    jobs, incomplete = load_jobs(args.results)
-    for d in incomplete:
-        print(f"skipped incomplete job: {d}", file=sys.stderr)
+    jobs = complete_jobs(args.results)
     if not jobs:
-        print(f"no complete job under {args.results}", file=sys.stderr)
         return 1
     written = []
     pairs = [(j, name) for j in jobs for name in _methods(j)]

@@ -13,14 +13,7 @@ import argparse
 import sys
 
 from analysis import figures
-from analysis.gather import load_jobs
-
-
-def _spread(run, name: str) -> tuple[float, float]:
-    base = run.methods[run.baseline].tokens_per_s_by_prompt
-    mine = run.methods[name].tokens_per_s_by_prompt
-    ratios = [mine[p] / base[p] for p in mine if base.get(p)]
-    return (min(ratios), max(ratios)) if ratios else (run.methods[name].speedup,) * 2
+from analysis.gather import complete_jobs
 
 
 def plot_job(job, out: str) -> list:
@@ -28,7 +21,7 @@ def plot_job(job, out: str) -> list:
     tag = f"{run.experiment.replace('/', '_')}_{run.dataset}"
     title = f"{run.target}, {run.dataset} ×{run.num_prompts}, {'greedy' if run.greedy else 'sampled'}, same run"
     written = figures.speedup_bars({n: m.speedup for n, m in run.compared.items()}, title, out,
-                                   spread={n: _spread(run, n) for n in run.compared}, name=f"speedup_{tag}")[1]
+                                   spread={n: run.speedup_range(n) for n in run.compared}, name=f"speedup_{tag}")[1]
     with_cats = {n: m.by_category for n, m in run.compared.items() if m.by_category}
     if with_cats:
         cats = list(next(iter(with_cats.values())))
@@ -55,11 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", help="a run directory (or a sweep: one set of figures per job)")
     ap.add_argument("--out", required=True, help="figure directory (PNG and PDF)")
     args = ap.parse_args(argv)
-    jobs, incomplete = load_jobs(args.results)
-    for d in incomplete:
-        print(f"skipped incomplete job: {d}", file=sys.stderr)
+    jobs = complete_jobs(args.results)
     if not jobs:
-        print(f"no complete job under {args.results}", file=sys.stderr)
         return 1
     for job in jobs:
         for p in plot_job(job, args.out):

@@ -21,7 +21,7 @@ rows and, under greedy decoding, the divergences from the baseline with the targ
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -71,7 +71,7 @@ class TransformersGenerate:
     assistant: CausalLM | None = None
     prompt_lookup_num_tokens: int | None = None
     max_matching_ngram_size: int | None = None
-    kind: str = field(init=False, default="transformers_generate")
+    kind = "transformers_generate"
 
     def __post_init__(self) -> None:
         if self.assistant is not None and self.prompt_lookup_num_tokens is not None:

@@ -182,6 +182,14 @@ class RunSummary:
     def greedy(self) -> bool:
         return self.config["sampling"]["temperature"] == 0
 
+    def speedup_range(self, name: str) -> tuple[float, float]:
+        """(min, max) over prompts of method ``name``'s tok/s over the baseline's on the same prompt
+        (the spread behind its speedup; the speedup itself twice when no prompt can be compared)."""
+        base = self.methods[self.baseline].tokens_per_s_by_prompt
+        mine = self.methods[name].tokens_per_s_by_prompt
+        ratios = [mine[p] / base[p] for p in mine if base.get(p)]
+        return (min(ratios), max(ratios)) if ratios else (self.methods[name].speedup,) * 2
+
     @property
     def compared(self) -> dict[str, MethodSummary]:
         """The methods other than the baseline."""

@@ -42,14 +42,13 @@ class CallPrices:
         self.forward_seconds = {n: VerifyCost() for n in names}  # LM drafters: seconds per forward of width w
         self.verify_seconds = VerifyCost()  # the target: seconds per forward of n inputs
 
-    def record(self, tree: Tree, seen: int) -> int:
-        """Take the tree's drafter-call timings from index ``seen`` on; returns the new count."""
+    def record(self, tree: Tree, seen: int) -> None:
+        """Take the tree's drafter-call timings from index ``seen`` on."""
         for t in tree.timings[seen:]:
             if t.width:
                 self.forward_seconds[self.names[t.drafter]].update(t.width, t.seconds)
             else:
                 self.lookup_seconds.update(self.names[t.drafter], t.seconds)
-        return len(tree.timings)
 
     def calibrate(self, target: CausalLM) -> None:
         """Time target forwards of a few sizes on a scratch cache (fits Δverify before decoding)."""

@@ -25,8 +25,11 @@ class TreePolicy:
 
     kind = "tree"
     prior: tuple[float, float] = (1.0, 1.0)
+    ranked_first = False  # the policy takes ranked children from the first drafter, which must be an LM drafter
 
     def setup(self, names: list[str], calls: LevelCalls) -> None:
+        if self.ranked_first and not calls.is_lm(0):
+            raise TypeError(f"a {self.kind} tree's first drafter must be an LM drafter (it provides ranked children)")
         self.acceptance = NodeAcceptance(names, self.prior)
 
     def start(self, target: CausalLM) -> None:

@@ -19,15 +19,11 @@ class RerankedTreePolicy(TreePolicy):
     max_nodes: int = 16  # nodes verified (the highest global scores)
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of the logged α̂
     kind = "reranked"
+    ranked_first = True
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.depth < 1 or self.max_nodes < 1:
             raise ValueError(f"invalid reranked tree policy {self}")
-
-    def setup(self, names, calls: LevelCalls) -> None:
-        if not calls.is_lm(0):
-            raise TypeError("a reranked tree's first drafter must be an LM drafter (it provides ranked children)")
-        super().setup(names, calls)
 
     @property
     def budget(self) -> int:

@@ -17,16 +17,12 @@ class StaticTreePolicy(TreePolicy):
     widths: tuple[int, ...] = (2, 2, 1, 1)
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of the logged α̂ (node reach)
     kind = "static"
+    ranked_first = True
 
     def __post_init__(self) -> None:
         self.widths = tuple(int(w) for w in self.widths)
         if not self.widths or any(w < 1 for w in self.widths):
             raise ValueError(f"static tree widths must be positive, got {self.widths}")
-
-    def setup(self, names, calls: LevelCalls) -> None:
-        if not calls.is_lm(0):
-            raise TypeError("a static tree's first drafter must be an LM drafter (it provides ranked children)")
-        super().setup(names, calls)
 
     @property
     def budget(self) -> int:
