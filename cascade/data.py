@@ -129,18 +129,93 @@ _LOADERS = {"humaneval": humaneval, "humaneval_full": humaneval_full, "gsm8k": g
             "builtin": lambda: list(BUILTIN)}
 
 
-def corpus(name: str) -> list[str]:
-    """Texts for a suffix-lookup datastore, disjoint from the prompts any benchmark here uses:
+# The evaluation reserve: prompts every benchmark may use, so no corpus, datastore, table or
+# training set may contain them (tests/test_corpus_hygiene.py checks every corpus below).
+RESERVED_HUMANEVAL = range(0, 40)
+RESERVED_GSM8K = (range(0, 200), range(1000, 1319))
+_GSM8K_CORPUS = range(200, 1000)  # the GSM8K test items corpora may use
+_MTBENCH_HELD = 5  # MT-bench questions per category kept for prompts (mixed uses the first 3)
+_GPQA_HELD = 20  # GPQA items kept for prompts
 
-    ``humaneval_solutions``  prompt + canonical solution of HumanEval problems 40..163 (runs use
-                             the first prompts; ``mixed`` the first 3);
-    ``gsm8k_answers``        question + worked answer of GSM8K test items 200..1318.
+
+def gsm8k_reserved(i: int) -> bool:
+    return any(i in r for r in RESERVED_GSM8K)
+
+
+def _python_files(max_chars: int = 3_000_000, min_size: int = 2_000, max_size: int = 40_000) -> list[str]:
+    """Python source shipped with the project's own dependencies (the standard library, torch,
+    transformers): files of ``min_size``..``max_size`` characters, in sorted path order, taken
+    round-robin over the three roots until ``max_chars``. Deterministic for given package versions
+    (a training manifest records the texts' sha256)."""
+    import sysconfig
+
+    import torch as _torch
+    import transformers as _transformers
+
+    roots = [Path(sysconfig.get_paths()["stdlib"]), Path(_torch.__file__).parent, Path(_transformers.__file__).parent]
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "testing", "_vendor"}
+    per_root = []
+    for root in roots:
+        files = []
+        for f in sorted(root.rglob("*.py")):
+            rel = f.relative_to(root).parts
+            if skip & set(rel[:-1]) or not min_size <= f.stat().st_size <= max_size:
+                continue
+            files.append(f)
+        per_root.append(files)
+    texts, total = [], 0
+    for i in range(max(len(f) for f in per_root)):
+        for files in per_root:
+            if i < len(files) and total < max_chars:
+                text = files[i].read_text(errors="replace")
+                texts.append(text)
+                total += len(text)
+    return texts
+
+
+def qa_pairs(name: str) -> list[tuple[str, str]]:
+    """(question, answer) pairs outside the evaluation reserve, for chat-formatted training text:
+
+    ``gsm8k_qa``     GSM8K test items 200..999, question and worked answer;
+    ``mtbench_rest`` MT-bench first turns after the first 5 of each category (no answers);
+    ``gpqa_rest``    GPQA items 20..197 (no answers).
+    """
+    if name == "gsm8k_qa":
+        rows = _jsonl(_read_member(_GSM8K))
+        return [(rows[i]["question"], rows[i]["answer"]) for i in _GSM8K_CORPUS]
+    if name == "mtbench_rest":
+        seen: dict[str, int] = {}
+        out = []
+        for r in _jsonl(_read_member(_MTBENCH)):
+            seen[r["category"]] = seen.get(r["category"], 0) + 1
+            if seen[r["category"]] > _MTBENCH_HELD:
+                out.append((r["turns"][0], ""))
+        return out
+    if name == "gpqa_rest":
+        return [(r["messages"][0]["content"], "") for r in _jsonl(_read_member(_GPQA))[_GPQA_HELD:]]
+    raise ValueError(f"unknown question set {name!r}; use one of {QA_SETS}")
+
+
+QA_SETS = ("gsm8k_qa", "mtbench_rest", "gpqa_rest")
+CORPORA = ("humaneval_solutions", "gsm8k_answers", "python_source")
+
+
+def corpus(name: str) -> list[str]:
+    """Plain texts disjoint from the evaluation reserve (HumanEval 0..39, GSM8K 0..199 and
+    1000..1318), for suffix-lookup datastores, pruned heads and draft-head training:
+
+    ``humaneval_solutions``  prompt + canonical solution of HumanEval problems 40..163;
+    ``gsm8k_answers``        question + worked answer of GSM8K test items 200..999;
+    ``python_source``        Python files shipped with the standard library, torch and
+                             transformers (about 3 M characters, ``_python_files``).
     """
     if name == "humaneval_solutions":
-        return [r["prompt"] + r["canonical_solution"] for r in _humaneval_rows()[40:]]
+        return [r["prompt"] + r["canonical_solution"] for r in _humaneval_rows()[RESERVED_HUMANEVAL.stop :]]
     if name == "gsm8k_answers":
-        return [r["question"] + "\n" + r["answer"] for r in _jsonl(_read_member(_GSM8K))[200:]]
-    raise ValueError(f"unknown corpus {name!r}; use humaneval_solutions or gsm8k_answers")
+        return [q + "\n" + a for q, a in qa_pairs("gsm8k_qa")]
+    if name == "python_source":
+        return _python_files()
+    raise ValueError(f"unknown corpus {name!r}; use one of {CORPORA}")
 
 
 def jsonl_file(path: str | Path, field: str = "prompt") -> list[Prompt]:

@@ -16,6 +16,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
+# ``return_hidden=FINAL_HIDDEN``: the last layer's hidden states after the final norm, i.e. the LM
+# head's input (the features an EAGLE-style draft head reads).
+FINAL_HIDDEN = -1
+
 
 @dataclass
 class CausalLM:
@@ -109,9 +113,10 @@ class CausalLM:
         [keep_last, V] for the last positions only (the LM head is skipped on the others).
 
         ``return_hidden=L`` also returns the hidden states after the first ``L`` decoder layers
-        (before the final norm), [n, H]: ``(logits, hidden)``. Self-drafters (an early exit with
-        an adapter) read the target's own intermediate states this way, in tree order for a
-        tree forward."""
+        (before the final norm), [n, H]: ``(logits, hidden)``; ``return_hidden=FINAL_HIDDEN``
+        (-1) the last layer's after the final norm (the LM head's input). Self-drafters (an early
+        exit with an adapter, a draft head) read the target's own states this way, in tree order
+        for a tree forward."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if position_ids is None:
@@ -129,8 +134,8 @@ class CausalLM:
         if return_hidden is None:
             return out.logits[0]  # [n, V] or [keep_last, V]
         layers = int(self.model.config.num_hidden_layers)
-        if not 1 <= return_hidden < layers:
-            raise ValueError(f"return_hidden must name a layer in [1, {layers - 1}], got {return_hidden}")
+        if return_hidden != FINAL_HIDDEN and not 1 <= return_hidden < layers:
+            raise ValueError(f"return_hidden must name a layer in [1, {layers - 1}] or be FINAL_HIDDEN (-1), got {return_hidden}")
         return out.logits[0], out.hidden_states[return_hidden][0]  # [n, V], [n, H]
 
     def top2_gap(self, ids: list[int]) -> float:

@@ -1,0 +1,174 @@
+"""`DraftHeadDrafter`: drafts with an EAGLE-style head on the target's own features.
+
+The head (``cascade.models.draft_head.DraftHead``) needs the target's feature f_t (the LM head's
+input) at every committed position; the drafter asks the decode loop for them
+(``hidden_layer = FINAL_HIDDEN``), which reads them from the target's own forwards: the prompt's
+at prefill, the committed path's after each verification (in tree order for a tree).
+
+Positions. With committed tokens x_0..x_T (x_T the root, the last token, whose feature the next
+verification computes) the loop has handed over f_0..f_{T-1}. The head's input at head position
+t is (f_t, x_{t+1}); its cache holds entries 0..T-2 computed from the target's features, and a
+draft starts by feeding (f_{T-1}, x_T) at T-1, whose output f^_T gives the first draft token's
+distribution. Each further draft token d is fed as (f^ of its parent, d): positions from T on
+are computed from the head's own predicted features, so they are dropped when the draft ends
+(``_end_draft``), and the next draft recomputes the accepted ones from the target's features.
+
+A chain drafter (k, every stop policy), a level-by-level tree drafter (one head forward per depth
+for every node expanded there), and the top level of a vertical cascade (``score`` runs the head
+over tokens beyond the committed prefix on its own features). It cannot be a lower cascade level:
+nobody hands it the target's features there (refused by ``VerticalCascade``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cascade.drafters.lm_base import LMDrafter, TreeCacheState
+from cascade.drafters.stopping import StopPolicy
+from cascade.models.draft_head import DraftHead
+from cascade.models.lm import FINAL_HIDDEN, CausalLM
+from cascade.types import SamplingConfig, Scored
+
+
+class DraftHeadDrafter(LMDrafter):
+    """Drafts with a ``DraftHead`` (see the module docstring)."""
+
+    kind = "draft_head"
+    hidden_layer = FINAL_HIDDEN
+
+    def __init__(self, head: DraftHead | str, k: int = 4, sample: bool = True, stop: StopPolicy | None = None,
+                 stop_below: float | None = None, name: str | None = None) -> None:
+        """head: a ``DraftHead``, a checkpoint path (``python -m cascade.train_head``), or "init"
+        (untrained, built from the target: for debug runs and tests)."""
+        super().__init__(k=k, sample=sample, stop=stop, stop_below=stop_below)
+        self._head_spec = head
+        self.head: DraftHead | None = head if isinstance(head, DraftHead) else None
+        self.name = name or "draft_head"
+        self.model: CausalLM | None = None
+        self._readout = None
+        self.reset(SamplingConfig(), None)
+
+    # ---- binding -------------------------------------------------------------------------
+    def check_compatible(self, target: CausalLM) -> None:
+        if self.model is target:
+            return
+        if self.head is None or self._head_spec == "init":
+            self.head = DraftHead.from_target(target) if self._head_spec == "init" else DraftHead.load(self._head_spec, target)
+        self.head.for_inference(target)  # refuses a head built for another target
+        self._readout = self.head.readout(target)
+        self.model = target
+
+    def bind(self, target: CausalLM, cache) -> None:
+        self.check_compatible(target)
+
+    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
+        super().reset(sampling, generator)
+        self._feats: torch.Tensor | None = None  # [T, H] the target's features of committed positions 0..T-1
+        self._cache = self.head.new_cache() if self.head is not None else None
+        self._true_len = 0  # head cache entries computed from the target's features (positions 0.._true_len-1)
+        self._last: torch.Tensor | None = None  # [H] the head's predicted feature after the last token fed
+        self._node_feats: list[torch.Tensor] = []  # tree drafting: predicted feature of each fed node (by slot)
+
+    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Keep the prompt's features (``hidden``: [len(prompt) - 1, H]); the head's cache fills
+        lazily at the first proposal."""
+        self._feats = hidden
+
+    def observe(self, context: list[int], result, verify_time_s: float | None = None,
+                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
+        super().observe(context, result, verify_time_s, hidden, scored)
+        if hidden is not None:  # [m, H] the positions just committed
+            self._feats = hidden if self._feats is None else torch.cat([self._feats, hidden])
+
+    # ---- the head's forwards ------------------------------------------------------------------
+    @torch.inference_mode()
+    def _step(self, features: torch.Tensor, tokens: list[int], positions: torch.Tensor,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed (features [n, H], tokens [n]) at head ``positions`` [n] -> (predicted features
+        [n, H], logits [n, V])."""
+        out = self.head(self.model, features, torch.tensor(tokens), positions, self._cache, mask)  # [n, H]
+        return out, self._readout(out.to(self.model.dtype))
+
+    def _root(self, context: list[int]) -> torch.Tensor:
+        """Bring the head's cache to the committed prefix (target features only) and feed the
+        root (f_{T-1}, x_T): logits [V] of the first draft token."""
+        if self.model is None:
+            raise RuntimeError(f"{self.name} is not bound to a target: use it through cascade.generate")
+        t = 0 if self._feats is None else self._feats.shape[0]
+        if t == 0 and len(context) >= 1:  # a one-token prompt, before the first verification: no
+            # target feature exists yet; the root is fed a zero feature (a poor draft, exact q) and
+            # dropped with the draft (_true_len 0)
+            self.head.crop(self._cache, 0)
+            self._true_len = 0
+            zero = torch.zeros(1, self.head.hidden_size, dtype=self.model.dtype, device=self.model.device)
+            feats, logits = self._step(zero, context[:1], torch.tensor([0]))
+            self._last = feats[-1]
+            return logits[-1]
+        if len(context) < t + 1:
+            raise RuntimeError(
+                f"{self.name} has the target's features of {t} positions for a context of {len(context)} tokens: a "
+                "draft head drafts directly for the target (alone, in a tree, or as the top of a cascade)")
+        self.head.crop(self._cache, min(self._true_len, t - 1))
+        done = self.head.cache_len(self._cache)
+        feats, logits = self._step(self._feats[done:t], context[done + 1 : t + 1], torch.arange(done, t))
+        self._true_len = t
+        self._last = feats[-1]
+        return logits[-1]
+
+    def _start_draft(self, context: list[int]) -> torch.Tensor:
+        """The root's logits, then (a cascade's top level) the context's tokens beyond the
+        committed prefix, fed on the head's own features."""
+        logits = self._root(context)
+        for token in context[self._true_len + 1 :]:
+            logits = self._continue(token)
+        return logits
+
+    def _continue(self, token: int) -> torch.Tensor:
+        position = torch.tensor([self.head.cache_len(self._cache)])
+        feats, logits = self._step(self._last.unsqueeze(0), [token], position)
+        self._last = feats[-1]
+        return logits[-1]
+
+    def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
+        """Logits after ``context`` and after each token of ``extra`` [len(extra) + 1, V]: one head
+        forward per token beyond the committed prefix (each needs its predecessor's feature)."""
+        try:
+            rows = [self._start_draft(context)]
+            rows += [self._continue(token) for token in extra]
+            return torch.stack(rows)
+        finally:
+            self._end_draft()
+
+    def _end_draft(self) -> None:
+        """Drop the entries computed from predicted features (idempotent)."""
+        if self._cache is not None and self.head.cache_len(self._cache) > self._true_len:
+            self.head.crop(self._cache, self._true_len)
+
+    def propose(self, context: list[int], budget: int):
+        try:
+            return super().propose(context, budget)
+        finally:
+            self._end_draft()
+
+    # ---- tree levels: nodes sit in the head's cache after the committed entries ------------------
+    def tree_start(self, context: list[int]) -> torch.Tensor:
+        logits = self._start_draft(context)
+        # the head's cache holds positions 0..T-1 (the root's entry last): one fewer than the context
+        self._tree = TreeCacheState(self.head.cache_len(self._cache))
+        self._node_feats = []
+        return logits
+
+    def _forward_nodes(self, tokens: list[int], positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        t = self._tree
+        w = len(tokens)
+        parents = t.parents[-w:]  # slots of the parents (-1: the root)
+        feats = torch.stack([self._last if p == -1 else self._node_feats[p] for p in parents])  # [w, H]
+        out, logits = self._step(feats, tokens, positions, mask)
+        self._node_feats.extend(out.unbind(0))
+        return logits  # [w, V]
+
+    def tree_commit(self, path: list[int]) -> None:
+        """Nothing to keep: the accepted nodes are recomputed from the target's features at the
+        next draft (``tree_end`` dropped every node)."""
+        self._tree = None
+        self._node_feats = []

@@ -1,0 +1,211 @@
+"""Draft-head training data and math: the corpus plan, cached target features, the unrolled loss.
+
+1. ``corpus_chunks``: token chunks (at most ``seq_len`` tokens, never mixing two texts) from named
+   sources, each source a share of ``max_tokens``: plain corpora (``cascade.data.corpus``) and
+   question sets (``cascade.data.qa_pairs``, in the target's chat template when it has one).
+   Every source lies outside the evaluation reserve.
+2. ``capture_features``: one target forward per chunk (``CausalLM.forward(...,
+   return_hidden=FINAL_HIDDEN)``, the forward the decode loop runs, so the features are the ones
+   a drafter is handed), written one file per chunk into a directory with a manifest (target,
+   sources, sha256 of the chunks, token count): resumable, and reused by any later training on
+   the same target and chunks.
+3. ``unroll`` / ``chunk_loss``: EAGLE's training with EAGLE-3's "training-time test". Step 1 feeds
+   the target's features f_t with tokens x_{t+1}; step s feeds step s-1's predicted features
+   (the head's own, as when drafting s tokens deep), and its queries see exactly what a draft at
+   depth s sees: the head's cache entries of the target's features up to the draft's root, then
+   the entries of steps 2..s along the draft (``unroll_mask``). Loss per step: cross-entropy
+   against the target's own distribution over the head's vocabulary (self-distillation) plus
+   ``feature_weight`` x smooth-L1 between predicted and target features (EAGLE's regression).
+4. ``agreement``: held-out top-1 agreement with the target's greedy token (over the full
+   vocabulary) at draft depths 1..d, the tokens before each position being the corpus's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from cascade.data import QA_SETS, corpus, qa_pairs
+from cascade.models.draft_head import DraftHead
+from cascade.models.layers import decoder_parts
+from cascade.models.lm import FINAL_HIDDEN, CausalLM
+
+FEATURES_FORMAT = "cascade.head_features/1"
+
+
+@dataclass
+class Chunk:
+    tokens: torch.Tensor  # [T] int64
+    features: torch.Tensor  # [T, H] the target's features (LM-head inputs) at every position
+
+
+@dataclass
+class FeatureManifest:
+    format: str
+    target: str
+    sources: dict[str, float]
+    seq_len: int
+    chunks: int
+    tokens: int
+    sha256: str  # of the chunks' token ids: which text the features were captured on
+
+
+def _source_texts(lm: CausalLM, name: str) -> list[list[int]]:
+    if name in QA_SETS:
+        chat = lm.tokenizer is not None and getattr(lm.tokenizer, "chat_template", None)
+        out = []
+        for question, answer in qa_pairs(name):
+            if chat:
+                turns = [{"role": "user", "content": question}] + ([{"role": "assistant", "content": answer}] if answer else [])
+                text = lm.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=not answer)
+            else:
+                text = question + "\n" + answer
+            out.append(lm.encode(text))
+        return out
+    return [lm.encode(t) for t in corpus(name)]
+
+
+def corpus_chunks(lm: CausalLM, sources: dict[str, float], seq_len: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Chunks of at most ``seq_len`` tokens (at least 2), each source ``name`` contributing up to
+    ``share * max_tokens`` tokens from its texts in order; shuffled (seeded) so that a held-out
+    tail holds every source."""
+    if seq_len < 2 or max_tokens < 2:
+        raise ValueError(f"seq_len and max_tokens must be >= 2, got {seq_len}, {max_tokens}")
+    total_share = sum(sources.values())
+    if not sources or total_share <= 0 or any(v < 0 for v in sources.values()):
+        raise ValueError(f"sources must map source names to non-negative shares, got {sources}")
+    chunks = []
+    for name, share in sources.items():
+        budget = int(max_tokens * share / total_share)
+        for ids in _source_texts(lm, name):
+            for start in range(0, len(ids) - 1, seq_len):
+                piece = ids[start : start + seq_len][:budget]
+                if len(piece) >= 2:
+                    chunks.append(piece)
+                    budget -= len(piece)
+                if budget < 2:
+                    break
+            if budget < 2:
+                break
+    random.Random(seed).shuffle(chunks)
+    return chunks
+
+
+def chunks_sha256(chunks: list[list[int]]) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(json.dumps(c).encode())
+    return h.hexdigest()
+
+
+def target_features(lm: CausalLM, tokens: list[int]) -> torch.Tensor:
+    """[T, H] the target's features at every position of ``tokens`` (one forward, no LM head rows
+    but the last); a normal tensor (copied out of the forward's inference mode) that training
+    can use."""
+    _, feats = lm.forward(tokens, lm.new_cache(), keep_last=1, return_hidden=FINAL_HIDDEN)
+    return feats.clone()
+
+
+def capture_features(lm: CausalLM, chunks: list[list[int]], sources: dict[str, float], seq_len: int, out_dir: Path,
+                     progress: bool = True) -> list[Chunk]:
+    """Features of every chunk, cached in ``out_dir`` (one file per chunk, written atomically; a
+    rerun computes only the missing ones). Refuses a directory whose manifest names other chunks
+    or another target."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = FeatureManifest(FEATURES_FORMAT, lm.name, dict(sources), seq_len, len(chunks),
+                               sum(map(len, chunks)), chunks_sha256(chunks))
+    path = out_dir / "manifest.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if (old.get("target"), old.get("sha256")) != (manifest.target, manifest.sha256):
+            raise ValueError(f"{out_dir} holds features of another target or corpus ({old.get('target')}, {old.get('sha256')})")
+    path.write_text(json.dumps(asdict(manifest), indent=1))
+    out = []
+    bar = tqdm(total=manifest.tokens, desc="target features", unit="tok", disable=not progress)
+    for i, ids in enumerate(chunks):
+        f = out_dir / f"chunk_{i:05d}.pt"
+        saved = torch.load(f, weights_only=True) if f.is_file() else None
+        if saved is None or saved["tokens"].tolist() != ids:
+            saved = {"tokens": torch.tensor(ids), "features": target_features(lm, ids).cpu()}
+            tmp = f.with_name(f.name + f".tmp{os.getpid()}")
+            torch.save(saved, tmp)
+            os.replace(tmp, f)
+        out.append(Chunk(saved["tokens"], saved["features"]))
+        bar.update(len(ids))
+    bar.close()
+    return out
+
+
+def unroll_mask(n: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, n, step * n] 0 / -inf: step ``step``'s query at head position u sees the entries of
+    step 1 (the target's features) at positions <= u - step + 1 and the entry of step j at
+    position u - (step - j) for j = 2..step: a draft ``step`` deep from the root u - step + 1."""
+    allowed = torch.zeros(n, step * n, dtype=torch.bool)
+    u = torch.arange(n)
+    allowed[:, :n] = torch.arange(n)[None, :] <= (u[:, None] - step + 1)
+    for j in range(2, step + 1):
+        v = u - (step - j)
+        ok = v >= 0
+        allowed[u[ok], (j - 1) * n + v[ok]] = True
+    mask = torch.zeros(n, step * n, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    return mask[None, None]
+
+
+def unroll(head: DraftHead, lm: CausalLM, chunk: Chunk, steps: int) -> list[torch.Tensor]:
+    """Predicted features of steps 1..``steps``, each [T-1, H]: row u of step s is the head's
+    prediction of f_{u+1} from a draft s deep (see the module docstring)."""
+    n = chunk.tokens.numel() - 1
+    positions = torch.arange(n)
+    tokens = chunk.tokens[1:]  # x_{u+1}
+    feats = chunk.features.to(head.fc.weight.dtype)
+    cache = head.new_cache() if steps > 1 else None
+    inputs, outs = feats[:n], []
+    for s in range(1, steps + 1):
+        mask = None if s == 1 else unroll_mask(n, s, feats.dtype)
+        out = head(lm, inputs, tokens, positions, cache, mask)  # [n, H]
+        outs.append(out)
+        inputs = torch.cat([feats[:1], out[:-1]])  # step s+1 at u is fed step s's prediction of f_u
+    return outs
+
+
+def chunk_loss(head: DraftHead, lm: CausalLM, chunk: Chunk, head_rows: torch.Tensor, steps: int,
+               feature_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """Summed loss over the unrolled steps and each step's top-1 agreement with the teacher on
+    the head's vocabulary. ``head_rows``: [|S|, H] the target's LM-head rows of the head's vocabulary."""
+    feats = chunk.features.to(head_rows.dtype)
+    with torch.no_grad():
+        teacher = torch.softmax(feats[1:] @ head_rows.T, -1)  # [n, |S|] the target's distribution over S
+    total, hits = torch.zeros(()), []
+    for s, out in enumerate(unroll(head, lm, chunk, steps), start=1):
+        valid = slice(s - 1, None)  # a draft s deep needs a root at u - s + 1 >= 0
+        if out[valid].shape[0] == 0:  # a chunk too short for this depth
+            break
+        student = torch.log_softmax(out[valid] @ head_rows.T, -1)  # [n', |S|]
+        ce = -(teacher[valid] * student).sum(-1).mean()
+        reg = torch.nn.functional.smooth_l1_loss(out[valid], feats[1:][valid])
+        total = total + ce + feature_weight * reg
+        hits.append(float((student.argmax(-1) == teacher[valid].argmax(-1)).float().mean()))
+    return total, hits
+
+
+@torch.no_grad()
+def agreement(head: DraftHead, lm: CausalLM, chunks: list[Chunk], head_rows: torch.Tensor, vocab: torch.Tensor | None,
+              depths: int = 4) -> list[float]:
+    """Top-1 agreement with the target's greedy token (full vocabulary) at draft depths 1..``depths``."""
+    hits, counts = [0] * depths, [0] * depths
+    target_head = decoder_parts(lm).head
+    for c in chunks:
+        want = target_head(c.features.to(lm.dtype)).argmax(-1)[1:]  # [n] the target's argmax at u+1
+        for d, out in enumerate(unroll(head, lm, c, depths)):
+            got = (out[d:] @ head_rows.T).argmax(-1)
+            got = vocab[got] if vocab is not None else got
+            hits[d] += int((got == want[d:]).sum())
+            counts[d] += got.numel()
+    return [h / max(n, 1) for h, n in zip(hits, counts)]

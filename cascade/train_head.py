@@ -1,0 +1,161 @@
+"""`python -m cascade.train_head [overrides]`: train an EAGLE-style draft head for the target.
+
+1. corpus: chunks from ``train.sources`` (outside the evaluation reserve; ``cascade.head_training``);
+2. features: the target's features of every chunk, cached under ``train.features_dir`` with a
+   manifest (resumable: an interrupted capture continues where it stopped);
+3. head: ``DraftHead.from_target`` over the ``train.vocab`` token ids most frequent in the
+   training chunks (FR-Spec; all ids when null), trained with AdamW on the unrolled loss
+   (``train.unroll`` steps of EAGLE-3's training-time test), the checkpoint written atomically
+   after every epoch with the held-out top-1 agreement at depths 1..4 (printed per epoch);
+4. ``summary.json`` and ``head.pt`` in the Hydra run directory; the checkpoint is also copied to
+   ``train.save_to`` (``models.head_path``: where the draft-head methods load it by default).
+
+``device=cuda`` (``models.device``) trains on a GPU with the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from cascade.head_training import agreement, capture_features, chunk_loss, chunks_sha256, corpus_chunks
+from cascade.metrics import write_json_atomic
+from cascade.models import load_model
+from cascade.models.draft_head import DraftHead
+from cascade.models.layers import decoder_parts
+from cascade.models.pruned_head import rank_by_frequency
+from cascade.models.zoo import cache_root
+from cascade.run import ConfigError, _output_dir
+from cascade.train_adapter import dense_weight
+
+log = logging.getLogger(__name__)
+
+
+def _check(t) -> None:
+    if not 0 < t.heldout_frac < 1:
+        raise ConfigError(f"train.heldout_frac must lie in (0, 1), got {t.heldout_frac}")
+    if t.unroll < 1 or t.epochs < 1:
+        raise ConfigError(f"train.unroll and train.epochs must be >= 1, got {t.unroll}, {t.epochs}")
+    if t.train_tokens is not None and t.train_tokens < 2:
+        raise ConfigError(f"train.train_tokens must be >= 2 or null, got {t.train_tokens}")
+    if t.vocab is not None and t.vocab < 1:
+        raise ConfigError(f"train.vocab must be >= 1 or null, got {t.vocab}")
+
+
+def _lr(step: int, total: int, base: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of ``base``."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(cfg: DictConfig) -> dict:
+    """Capture, train, evaluate and save; returns the summary written to ``summary.json``."""
+    t = cfg.train
+    _check(t)
+    out_dir = _output_dir(cfg)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    m = cfg.models
+    lm = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+    sources = dict(t.sources)
+
+    t0 = time.perf_counter()
+    token_chunks = corpus_chunks(lm, sources, t.seq_len, t.max_tokens, cfg.seed)
+    if len(token_chunks) < 2:
+        raise ConfigError(f"only {len(token_chunks)} chunk(s) of text: raise train.max_tokens")
+    features_dir = Path(t.features_dir or cache_root() / "head_features").expanduser()
+    features_dir = features_dir / f"{lm.name.replace('/', '_')}-{chunks_sha256(token_chunks)[:16]}"
+    chunks = capture_features(lm, token_chunks, sources, t.seq_len, features_dir, cfg.progress)
+    feature_s = time.perf_counter() - t0
+    n_held = max(1, round(len(chunks) * t.heldout_frac))
+    train_chunks, held = chunks[:-n_held], chunks[-n_held:]
+    if t.train_tokens is not None:  # a smaller training set from the same captured features
+        kept, count = [], 0
+        for c in train_chunks:
+            if count >= t.train_tokens:
+                break
+            kept.append(c)
+            count += c.tokens.numel()
+        train_chunks = kept
+
+    vocab = None
+    if t.vocab is not None and t.vocab < lm.vocab_size:
+        ranked = rank_by_frequency([c.tokens for c in train_chunks], lm.vocab_size)
+        keep = ranked[: t.vocab].tolist()
+        keep += [i for i in sorted(lm.eos_token_ids) if i not in set(keep) and i < lm.vocab_size]
+        vocab = torch.tensor(sorted(keep))
+    head = DraftHead.from_target(lm, vocab, seed=cfg.seed).to(lm.device)
+    head_w = dense_weight(decoder_parts(lm).head)  # [V, H]
+    head_rows = (head_w if vocab is None else head_w[vocab]).to(lm.device)  # [|S|, H]
+    del head_w
+    agree_init = agreement(head, lm, held, head_rows, vocab)
+    log.info("held-out top-1 agreement at depths 1-4 before training: %s", [round(a, 3) for a in agree_init])
+
+    opt = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = out_dir / "head.pt"
+    total_steps = t.epochs * len(train_chunks)
+    warmup = max(1, int(0.05 * total_steps))
+    history, step = [], 0
+    bar = tqdm(total=total_steps, desc="train head", disable=not cfg.progress)
+    t1 = time.perf_counter()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for epoch in range(t.epochs):
+        head.train()
+        loss_sum = 0.0
+        for i in torch.randperm(len(train_chunks), generator=gen).tolist():
+            for group in opt.param_groups:
+                group["lr"] = _lr(step, total_steps, t.lr, warmup)
+            loss, hits = chunk_loss(head, lm, train_chunks[i], head_rows, t.unroll, t.feature_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), t.clip)
+            opt.step()
+            loss_sum += loss.item()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", top1=f"{hits[0]:.2f}")
+        head.eval()
+        agree = agreement(head, lm, held, head_rows, vocab)
+        history.append({"epoch": epoch, "loss": loss_sum / len(train_chunks), "agreement": agree,
+                        "elapsed_s": time.perf_counter() - t1})
+        print(f"epoch {epoch}: loss {history[-1]['loss']:.3f}, held-out top-1 agreement at depths 1-4: "
+              + " ".join(f"{a:.3f}" for a in agree), flush=True)
+        head.save(ckpt, metrics={"epochs_done": epoch + 1, "history": history})  # nothing lost on interruption
+    bar.close()
+    metrics = {
+        "target": lm.name, "sources": sources, "features_dir": str(features_dir),
+        "train_tokens": sum(c.tokens.numel() for c in train_chunks), "heldout_tokens": sum(c.tokens.numel() for c in held),
+        "vocab": None if vocab is None else int(vocab.numel()), "unroll": t.unroll, "epochs": t.epochs,
+        "agreement_init": agree_init, "agreement": history[-1]["agreement"], "history": history,
+        "feature_time_s": feature_s, "train_time_s": time.perf_counter() - t1,
+    }
+    head.save(ckpt, metrics=metrics)
+    if t.save_to:
+        head.save(Path(t.save_to).expanduser(), metrics=metrics)
+    summary = {"config": OmegaConf.to_container(cfg, resolve=True), "metrics": metrics, "checkpoint": str(ckpt)}
+    write_json_atomic(out_dir / "summary.json", summary)
+    print(f"draft head for {lm.name}: {metrics['train_tokens']} training tokens, {t.epochs} epochs, unroll {t.unroll}, "
+          f"vocab {metrics['vocab'] or lm.vocab_size}; held-out top-1 agreement at depths 1-4 "
+          + " ".join(f"{a:.3f}" for a in metrics["agreement"])
+          + f" (untrained: {' '.join(f'{a:.3f}' for a in agree_init)})\ncheckpoint: {ckpt}"
+          + (f" (copied to {t.save_to})" if t.save_to else ""))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train_head")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

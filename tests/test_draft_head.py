@@ -1,0 +1,188 @@
+"""The EAGLE-style draft head: features, greedy equality in every role, checkpoints, training."""
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from cascade import generate
+from cascade.cascades import HorizontalCascade, VerticalCascade
+from cascade.drafters import ConfidenceStop, DraftHeadDrafter, NGramDrafter, SmallLMDrafter, ThompsonStop
+from cascade.head_training import Chunk, chunk_loss, target_features, unroll, unroll_mask
+from cascade.models import tiny_llama
+from cascade.models.draft_head import DraftHead, HeadCheckpointError
+from cascade.models.layers import decoder_parts
+from cascade.tree_drafter import TreeDrafter
+from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
+from test_greedy_equality import _prompts
+
+CONF = str((__import__("pathlib").Path(__file__).parents[1] / "conf").resolve())
+
+
+def fitted_head(target, steps=60, seed=0, vocab=None):
+    """A head trained for a few steps on the target's features of random repetitive text: it
+    agrees with the target often enough that drafts are accepted at several depths."""
+    gen = torch.Generator().manual_seed(seed)
+    head = DraftHead.from_target(target, vocab, seed=seed)
+    rows = decoder_parts(target).head.weight.detach().float()
+    rows = rows if vocab is None else rows[vocab]
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        ids = torch.randint(0, target.vocab_size, (6,), generator=gen).tolist() * 5
+        out = generate(target, ids[:12], max_new_tokens=20, stop_on_eos=False, temperature=1.0,
+                       generator=gen).tokens
+        seq = ids[:12] + out
+        loss, _ = chunk_loss(head, target, Chunk(torch.tensor(seq), target_features(target, seq)), rows, 2, 0.1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def head(tiny_target):
+    return fitted_head(tiny_target)
+
+
+class Recording(DraftHeadDrafter):
+    """Keeps the features the decode loop handed over."""
+
+    def features(self):
+        return self._feats
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_features_handed_by_the_loop_equal_the_training_capture(tree, tiny_target, head):
+    drafter = Recording(head, k=4)
+    maker = (lambda: TreeDrafter([drafter], StaticTreePolicy((2, 2, 1)))) if tree else (lambda: drafter)
+    for prompt in _prompts(4, seed=5):
+        gen = generate(tiny_target, prompt, drafter=maker(), max_new_tokens=25, stop_on_eos=False)
+        seq = prompt + gen.tokens
+        got = drafter.features()  # [len(seq) - 1, H]: every committed position but the last
+        assert got.shape[0] == len(seq) - 1
+        want = target_features(tiny_target, seq[:-1])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        assert sum(s.accepted for s in gen.steps) > 0
+
+
+def _roles(head, close):
+    return {
+        "chain": lambda: DraftHeadDrafter(head, k=4),
+        "chain_k1": lambda: DraftHeadDrafter(head, k=1),
+        "chain_confidence_stop": lambda: DraftHeadDrafter(head, k=6, stop=ConfidenceStop(0.4)),
+        "chain_thompson_stop": lambda: DraftHeadDrafter(head, k=6, stop=ThompsonStop(0.3)),
+        "static_tree": lambda: TreeDrafter([DraftHeadDrafter(head)], StaticTreePolicy((3, 2, 1, 1))),
+        "reranked_tree": lambda: TreeDrafter([DraftHeadDrafter(head)], RerankedTreePolicy(top_k=3, depth=4, max_nodes=10)),
+        "dynamic_tree": lambda: TreeDrafter([DraftHeadDrafter(head), SmallLMDrafter(close), NGramDrafter(k=1)],
+                                            DynamicTreePolicy(max_nodes=16, max_depth=5, measure_costs=False)),
+        "vertical_top": lambda: VerticalCascade([DraftHeadDrafter(head, k=5), NGramDrafter(k=2, max_ngram=2)]),
+        "horizontal": lambda: HorizontalCascade([(DraftHeadDrafter(head, k=3), 3), (NGramDrafter(k=2), 2)]),
+    }
+
+
+@pytest.mark.parametrize("role", list(_roles(None, None)))
+def test_greedy_equals_autoregressive(role, tiny_target, tiny_close_drafter, head):
+    drafter = _roles(head, tiny_close_drafter)[role]()  # reused across generations: reset() must clear it
+    accepted = 0
+    for i, prompt in enumerate(_prompts(8, seed=11)):
+        for max_new in (1, 2, 9, 30) if i < 2 else (24,):
+            ar = generate(tiny_target, prompt, max_new_tokens=max_new, stop_on_eos=False)
+            sp = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=max_new, stop_on_eos=False)
+            assert sp.tokens == ar.tokens, (role, prompt, max_new)
+            accepted += sum(s.accepted for s in sp.steps)
+    assert accepted > 0, "the test must exercise accepted drafts"
+
+
+def test_a_fitted_head_drafts_deep(tiny_target, head):
+    """The fixture head is accepted beyond the first token (what the role tests rely on)."""
+    sp = generate(tiny_target, _prompts(1, seed=2)[0], drafter=DraftHeadDrafter(head, k=4), max_new_tokens=60,
+                  stop_on_eos=False)
+    assert max(s.accepted for s in sp.steps) >= 2
+
+
+def test_head_cannot_be_a_lower_cascade_level(tiny_target, tiny_close_drafter, head):
+    with pytest.raises(ValueError, match="hidden states"):
+        VerticalCascade([SmallLMDrafter(tiny_close_drafter), DraftHeadDrafter(head)])
+
+
+def test_checkpoint_round_trip_and_refusals(tmp_path, tiny_target, head):
+    path = head.save(tmp_path / "head.pt", metrics={"note": 1})
+    loaded = DraftHead.load(path, tiny_target)
+    for k, v in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k].float(), v.float()), k
+    assert loaded.metrics == {"note": 1}
+    deeper = tiny_llama(vocab_size=32, seed=0, num_layers=3)
+    with pytest.raises(HeadCheckpointError, match="num_layers"):
+        DraftHead.load(path, deeper)
+    wider = tiny_llama(vocab_size=32, seed=0, hidden_size=48)
+    with pytest.raises(HeadCheckpointError, match="hidden_size"):
+        DraftHead.load(path, wider)
+    renamed = tiny_llama(vocab_size=32, seed=0, name="another-target")
+    with pytest.raises(HeadCheckpointError, match="target"):
+        DraftHeadDrafter(str(path)).check_compatible(renamed)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception):
+        DraftHead.load(tmp_path / "junk.pt", tiny_target)
+    with pytest.raises(FileNotFoundError, match="train_head"):
+        DraftHead.load(tmp_path / "missing.pt", tiny_target)
+
+
+def test_pruned_vocabulary_never_proposes_other_ids(tiny_target):
+    vocab = torch.arange(0, 32, 2)
+    head = fitted_head(tiny_target, steps=10, vocab=vocab)
+    drafter = DraftHeadDrafter(head, k=4)
+    prompt = _prompts(1, seed=4)[0]
+    sp = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=30, stop_on_eos=False)
+    assert sp.tokens == generate(tiny_target, prompt, max_new_tokens=30, stop_on_eos=False).tokens
+    drafted = {t for s in sp.steps for t in s.draft_tokens}
+    assert drafted and drafted <= set(vocab.tolist())
+
+
+def test_unroll_mask_is_a_draft_from_each_root():
+    m = unroll_mask(5, 3, torch.float64)[0, 0] == 0  # [5, 15]
+    # step 3's query at u=4 sees the target-feature entries 0..2 (root 2), step 2's entry at 3, its own at 4
+    assert m[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert m[0].nonzero().flatten().tolist() == [10]
+
+
+def test_unrolled_step_equals_drafting(tiny_target, head):
+    """Row u of unrolled step s is what drafting s tokens deep from root u - s + 1 computes."""
+    seq = _prompts(1, seed=9)[0] + list(range(10))
+    chunk = Chunk(torch.tensor(seq), target_features(tiny_target, seq))
+    with torch.no_grad():
+        outs = unroll(head, tiny_target, chunk, 3)
+    u, s = 7, 3
+    root = u - s + 1
+    cache = head.new_cache()
+    with torch.no_grad():
+        f = head(tiny_target, chunk.features[: root + 1], chunk.tokens[1 : root + 2], torch.arange(root + 1), cache)[-1]
+        for pos in range(root + 1, u + 1):
+            f = head(tiny_target, f[None], chunk.tokens[pos + 1 : pos + 2], torch.tensor([pos]), cache)[-1]
+    torch.testing.assert_close(outs[s - 1][u], f, atol=1e-5, rtol=1e-5)
+
+
+def test_train_then_run_loads_the_written_weights(tmp_path, tiny_target):
+    from cascade.train_head import train
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train_head", overrides=["debug=tiny", "progress=false", f"output_dir={tmp_path / 'out'}",
+                                               f"train.save_to={tmp_path / 'head.pt'}", "train.max_tokens=1200",
+                                               f"train.features_dir={tmp_path / 'features'}"])
+    summary = train(cfg)
+    assert len(summary["metrics"]["agreement"]) == 4 and summary["metrics"]["train_tokens"] > 0
+    written = torch.load(tmp_path / "head.pt", weights_only=True)
+    from cascade.models import load_model
+
+    target = load_model(cfg.models.target, dtype=cfg.models.dtype)
+    drafter = DraftHeadDrafter(str(tmp_path / "head.pt"), k=3)
+    drafter.check_compatible(target)
+    state = drafter.head.state_dict()
+    for k, v in written["state_dict"].items():
+        assert torch.equal(state[k].float(), v), k
+    assert torch.equal(drafter.head.vocab.cpu(), written["vocab"])
+    prompt = target.encode("def f(x):")
+    assert generate(target, prompt, drafter=drafter, max_new_tokens=12).tokens == generate(target, prompt, max_new_tokens=12).tokens
+    # the features are cached: a second training reuses them (no new capture)
+    files = sorted((tmp_path / "features").rglob("chunk_*.pt"))
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    train(cfg)
+    assert [f.stat().st_mtime_ns for f in files] == mtimes
