@@ -173,10 +173,10 @@ def speedup_by_category(speedups: dict[str, list[float]], categories: list[str],
 
 
 def tree_trajectories(steps: list[dict], title: str, out_dir, name: str = "tree_trajectories"):
-    """steps: per step {"nodes", "estimates": {"alpha": {key: {"mean"}}, "forward_fit_s": {drafter:
-    [a, b]} (an LM drafter's forward of w nodes: a + b w seconds), "drafter_cost_s": {drafter: s}
-    (a forward-free drafter's proposal), "verify_fit_s": [a, b]}}, in order (one generation or
-    several back to back). ĉ is drawn for a one-node forward, in target steps."""
+    """steps: per step {"nodes", "estimates": {"alpha": {key: {"mean"}}, "forward_curve_s": {drafter:
+    {width: seconds}} (an LM drafter's forwards), "drafter_cost_s": {drafter: s} (a forward-free
+    drafter's proposal), "verify_curve_s": {inputs: seconds}}}, in order (one generation or several
+    back to back). ĉ is drawn for a one-node forward, in target steps."""
     fig, axes = plt.subplots(3, 1, figsize=(7, 7.5), sharex=True)
     x = np.arange(len(steps))
     keys = sorted({k for s in steps for k in s["estimates"]["alpha"] if k.endswith("|depth1")})
@@ -185,12 +185,16 @@ def tree_trajectories(steps: list[dict], title: str, out_dir, name: str = "tree_
     axes[0].set_ylabel("α̂ at depth 1 (posterior mean)")
     axes[0].set_ylim(0, 1.02)
     axes[0].legend(fontsize=7)
-    def seconds(est: dict, d: str) -> float:
-        fit = est.get("forward_fit_s", {}).get(d)
-        return fit[0] + fit[1] if fit else est.get("drafter_cost_s", {}).get(d, np.nan)
+    def first(curve: dict | None) -> float:
+        """The smallest measured size's seconds (width / inputs 1 when measured)."""
+        return curve[min(curve, key=int)] if curve else np.nan
 
-    drafters = sorted({d for s in steps for key in ("forward_fit_s", "drafter_cost_s") for d in s["estimates"].get(key, {})})
-    unit = [(s["estimates"]["verify_fit_s"] or [np.nan, 0])[0] + (s["estimates"]["verify_fit_s"] or [0, 0])[1] for s in steps]
+    def seconds(est: dict, d: str) -> float:
+        curve = est.get("forward_curve_s", {}).get(d)
+        return first(curve) if curve else est.get("drafter_cost_s", {}).get(d, np.nan)
+
+    drafters = sorted({d for s in steps for key in ("forward_curve_s", "drafter_cost_s") for d in s["estimates"].get(key, {})})
+    unit = [first(s["estimates"].get("verify_curve_s")) for s in steps]
     for d in drafters:
         axes[1].plot(x, [seconds(s["estimates"], d) / u if u else np.nan for s, u in zip(steps, unit)], label=d)
     axes[1].set_ylabel("ĉ (drafter call / target step)")

@@ -79,31 +79,55 @@ class AcceptanceTable:
                 for (d, k), e in sorted(self.table.items()) if e.n}
 
 
-class VerifyCost:
-    """t(n) = a + b n fitted by least squares over the last ``window`` observations."""
+class CostCurve:
+    """t(n): a forward's seconds as a function of its input count n, from measurements per n.
 
-    def __init__(self, window: int = 64) -> None:
-        self.obs: deque[tuple[int, float]] = deque(maxlen=window)
+    Not a line: on CPUs a forward is bandwidth-bound up to ~6 inputs (each extra input costs a
+    small fraction of a step) and compute-bound beyond (each costs much more), so one least-
+    squares line over 1..32 inputs overprices the first nodes of a tree and underprices the step
+    itself. Each measured n keeps an EMA of its seconds; t is the piecewise-linear interpolation
+    through them, made non-decreasing (a larger forward never costs less), flat below the
+    smallest n seen and extended with the last segment's slope beyond the largest."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.seconds: dict[int, float] = {}  # n -> EMA seconds
+        self.counts: dict[int, int] = {}
+        self.obs: deque[tuple[int, float]] = deque(maxlen=64)  # the latest raw measurements (n, seconds)
 
     def update(self, n: int, seconds: float) -> None:
         self.obs.append((n, seconds))
+        old = self.seconds.get(n)
+        self.seconds[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.counts[n] = self.counts.get(n, 0) + 1
 
-    def fit(self) -> tuple[float, float] | None:
-        if not self.obs:
+    @property
+    def sizes(self) -> int:
+        """How many distinct input counts were measured."""
+        return len(self.seconds)
+
+    def points(self) -> list[tuple[int, float]]:
+        """(n, seconds) in increasing n, non-decreasing seconds."""
+        out, top = [], 0.0
+        for n in sorted(self.seconds):
+            top = max(top, self.seconds[n])
+            out.append((n, top))
+        return out
+
+    def predict(self, n: float) -> float | None:
+        pts = self.points()
+        if not pts:
             return None
-        ns = [n for n, _ in self.obs]
-        ts = [t for _, t in self.obs]
-        mean_n, mean_t = sum(ns) / len(ns), sum(ts) / len(ts)
-        var = sum((n - mean_n) ** 2 for n in ns)
-        if var == 0:  # one size seen so far: a flat line through it
-            return mean_t, 0.0
-        b = sum((n - mean_n) * (t - mean_t) for n, t in self.obs) / var
-        b = max(b, 0.0)
-        return mean_t - b * mean_n, b
+        if n <= pts[0][0] or len(pts) == 1:
+            return pts[0][1] if n <= pts[0][0] else pts[0][1] * n / pts[0][0]  # one size: proportional growth
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2], pts[-1]
+        return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
-    def predict(self, n: int) -> float | None:
-        ab = self.fit()
-        return None if ab is None else ab[0] + ab[1] * n
+    def snapshot(self) -> dict[int, float]:
+        return {n: round(t, 6) for n, t in self.points()}
 
 
 class DrafterCost:

@@ -94,8 +94,8 @@ def test_each_figure_writes_an_image_with_its_axes(tmp_path):
     _check_image(paths)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["autoregressive", "sps", "tree"]
     steps = [{"nodes": n, "accepted": 1, "estimates": {"alpha": {"0:lm|depth1": {"mean": 0.5 + 0.01 * n}},
-                                                      "forward_fit_s": {"0:lm": [0.01, 0.002]}, "drafter_cost_s": {"1:ngram": 1e-4},
-                                                      "verify_fit_s": [0.1, 0.01]}}
+                                                      "forward_curve_s": {"0:lm": {"1": 0.012, "3": 0.016}},
+                                                      "drafter_cost_s": {"1:ngram": 1e-4}, "verify_curve_s": {"1": 0.11, "4": 0.14}}}
              for n in (3, 5, 8)]
     fig, paths = figures.tree_trajectories(steps, "t", tmp_path)
     _check_image(paths)

@@ -10,7 +10,7 @@ import torch
 
 from cascade import generate
 from cascade.drafters import LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter
-from cascade.estimators import AcceptanceTable, VerifyCost
+from cascade.estimators import AcceptanceTable, CostCurve
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.tree import children_of, depths_of, path_to, tree_mask, tree_positions
 from cascade.tree_drafter import TreeDrafter
@@ -177,7 +177,7 @@ def test_dynamic_policy_logs_estimates_and_learns(tiny_target, tiny_close_drafte
     logged = [s.tree for s in out.steps if s.tree is not None]  # the last step has no budget to draft
     assert len(logged) >= len(out.steps) - 1
     est = logged[-1].estimates
-    assert est["verify_fit_s"] is not None and est["forward_fit_s"]
+    assert est["verify_curve_s"] and est["forward_curve_s"]
     close = drafter.policy.acceptance.table.mean(drafter.names[0], "depth1")
     far = drafter.policy.acceptance.table.mean(drafter.names[1], "depth1")
     assert close > far
@@ -198,13 +198,33 @@ def test_censoring_unjudged_nodes_are_not_failures():
     assert not table.seen(drafter.names[0], "depth2") and not table.seen(drafter.names[0], "depth3")
 
 
-def test_verify_cost_fit():
-    vc = VerifyCost()
-    for n in (1, 4, 8, 16, 32):
-        vc.update(n, 0.1 + 0.01 * n)
-    a, b = vc.fit()
-    assert abs(a - 0.1) < 1e-9 and abs(b - 0.01) < 1e-9
-    assert abs(vc.predict(10) - 0.2) < 1e-9
+def test_cost_curve_is_piecewise_and_monotone():
+    curve = CostCurve()
+    assert curve.predict(3) is None
+    curve.update(1, 0.10)
+    assert curve.predict(1) == 0.10 and abs(curve.predict(2) - 0.20) < 1e-12  # one size: proportional
+    for n, t in ((4, 0.12), (8, 0.20), (16, 0.36)):  # flat-ish, then steep (a bandwidth-bound forward)
+        curve.update(n, t)
+    assert abs(curve.predict(2) - (0.10 + 0.02 / 3)) < 1e-12
+    assert abs(curve.predict(12) - 0.28) < 1e-12
+    assert abs(curve.predict(20) - 0.44) < 1e-12  # beyond the largest: the last segment's slope
+    assert curve.predict(0) == 0.10
+    curve.update(6, 0.05)  # a noisy small reading never makes a larger forward cheaper
+    assert curve.predict(6) >= curve.predict(4)
+    curve.update(4, 0.20)  # EMA per size
+    assert abs(curve.seconds[4] - (0.8 * 0.12 + 0.2 * 0.20)) < 1e-12
+
+
+def test_dytc_prices_the_first_nodes_as_measured():
+    """Δverify of the first nodes comes from the measured flat part, not a line fitted through 32."""
+    policy = DynamicTreePolicy()
+    policy.setup(["d"], None)
+    for n, t in ((1, 0.120), (2, 0.125), (4, 0.135), (8, 0.190), (16, 0.300), (32, 0.650)):
+        policy.prices.verify_seconds.update(n, t)
+    first = policy.prices.verify_per_node(0)  # a tree of 0 nodes gets its first: t(2) - t(1)
+    assert abs(first - 0.005 / 0.120) < 1e-9
+    assert abs(policy.prices.verify_per_node(10) - (0.3 - 0.19) / 8 / 0.12) < 1e-9
+    assert policy.prices.verify_per_node(0) < policy.prices.verify_per_node(10)
 
 
 def test_bad_policies():

@@ -15,10 +15,12 @@ The empty tree (plain decoding, 1 / 1) and the chain of one drafter are in this 
 drafting does not pay the policy stops drafting (every ``explore``-th step still drafts one level,
 so the estimates stay current).
 
-Pricing (:class:`CallPrices`): ĉ(w) is an LM drafter's forward time at width w, fitted online
-(a + b w; linear in w until two widths are seen); a forward-free drafter's proposal time (EMA);
-Δverify the fitted growth of verification time per node; all divided by the time of a one-input
-target forward. α̂ (``NodeAcceptance``): a deterministic child's from its confidence bucket, a
+Pricing (:class:`CallPrices`): ĉ(w) is an LM drafter's forward time at width w, and Δverify(m)
+the growth of the verification forward when a tree of m nodes gets one more (t(m + 2) - t(m + 1):
+the root is an input too), both read off measured cost curves (``cascade.estimators.CostCurve``:
+seconds per input count, piecewise linear, so the cheap first nodes of a bandwidth-bound forward
+and the expensive ones past it are each priced as measured); a forward-free drafter's proposal
+time (EMA); all divided by the time of a one-input target forward (an autoregressive step). α̂ (``NodeAcceptance``): a deterministic child's from its confidence bucket, a
 sampled child's from its depth and sibling rank, decided before it is drawn.
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from cascade.estimators import DrafterCost, VerifyCost
+from cascade.estimators import CostCurve, DrafterCost
 from cascade.models.lm import CausalLM
 from cascade.trees.growth import LevelCalls, Tree
 from cascade.trees.policy import TreePolicy
@@ -39,8 +41,8 @@ class CallPrices:
     def __init__(self, names: list[str], policy: "DynamicTreePolicy") -> None:
         self.names, self.policy = names, policy
         self.lookup_seconds = DrafterCost()  # forward-free drafters: seconds per proposal
-        self.forward_seconds = {n: VerifyCost() for n in names}  # LM drafters: seconds per forward of width w
-        self.verify_seconds = VerifyCost()  # the target: seconds per forward of n inputs
+        self.forward_seconds = {n: CostCurve() for n in names}  # LM drafters: seconds per forward of width w
+        self.verify_seconds = CostCurve()  # the target: seconds per forward of n inputs
 
     def record(self, tree: Tree, seen: int) -> None:
         """Take the tree's drafter-call timings from index ``seen`` on."""
@@ -54,7 +56,7 @@ class CallPrices:
         """Time target forwards of a few sizes on a scratch cache (fits Δverify before decoding)."""
         cache = target.new_cache()
         target.forward([0] * 64, cache)
-        for n in (1, 4, 8, 16, 32, 1, 16):
+        for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) * 2:
             t0 = time.perf_counter()
             target.forward([0] * n, cache)
             self.verify_seconds.update(n, time.perf_counter() - t0)
@@ -67,36 +69,34 @@ class CallPrices:
         step = self.verify_seconds.predict(1)
         return step if step is not None and step > 0 else None
 
-    def verify_per_node(self) -> float:
-        """Δverify: growth of the verification forward per tree node."""
-        step, fit = self.target_step(), self.verify_seconds.fit()
-        if step is None or fit is None or len({n for n, _ in self.verify_seconds.obs}) < 2:
+    def verify_per_node(self, nodes: int) -> float:
+        """Δverify(nodes): what one more node costs a verification of ``nodes`` nodes (nodes + 1
+        inputs with the root), in target steps; the prior slope until two sizes are measured."""
+        step = self.target_step()
+        if step is None or self.verify_seconds.sizes < 2:
             return self.policy.prior_verify_slope
-        return fit[1] / step
+        return (self.verify_seconds.predict(nodes + 2) - self.verify_seconds.predict(nodes + 1)) / step
 
     def forward(self, i: int, width: int) -> float:
-        """ĉ(width): LM drafter i's forward over ``width`` nodes (0 for width 0)."""
+        """ĉ(width): LM drafter i's forward over ``width`` nodes (0 for width 0); proportional to
+        the width until a second width is measured."""
         if width <= 0:
             return 0.0
         step, seconds = self.target_step(), self.forward_seconds[self.names[i]]
-        if step is None or not seconds.obs:
+        if step is None or not seconds.sizes:
             return self.policy.prior_drafter_cost * width
-        a, b = seconds.fit()
-        if len({n for n, _ in seconds.obs}) < 2:  # one width seen: assume linear growth until another is
-            one = seconds.predict(1) if b > 0 else a
-            return one * width / step
-        return (a + b * width) / step
+        return seconds.predict(width) / step
 
     def lookup(self, i: int) -> float:
         step, s = self.target_step(), self.lookup_seconds.get(self.names[i])
         return self.policy.prior_lookup_cost if step is None or s is None else s / step
 
     def snapshot(self) -> dict:
-        fit = self.verify_seconds.fit()
+        """Seconds: forward-free proposals, LM drafters' forwards by width, the target's by input count."""
         return {
             "drafter_cost_s": {k: round(v, 6) for k, v in self.lookup_seconds.seconds.items()},
-            "forward_fit_s": {k: [round(x, 6) for x in c.fit()] for k, c in self.forward_seconds.items() if c.obs},
-            "verify_fit_s": None if fit is None else [round(fit[0], 6), round(fit[1], 6)],
+            "forward_curve_s": {k: c.snapshot() for k, c in self.forward_seconds.items() if c.sizes},
+            "verify_curve_s": self.verify_seconds.snapshot() or None,
         }
 
 
@@ -120,7 +120,7 @@ class DynamicTreePolicy(TreePolicy):
     max_rank: int = 4  # most children one LM drafter may add to one node
     prior_drafter_cost: float = 0.2  # an LM drafter's one-node forward before it is measured, in target steps
     prior_lookup_cost: float = 0.01  # a forward-free drafter's proposal before it is measured
-    prior_verify_slope: float = 0.02  # Δverify per node before it is fitted, in target steps
+    prior_verify_slope: float = 0.02  # Δverify per node before two forward sizes are measured, in target steps
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of every depth / rank α̂
     explore: int = 16  # every explore-th step drafts one level even when it does not pay (0: never)
     measure_costs: bool = True  # False: price with the priors only (deterministic shapes, e.g. tiny test models)
@@ -157,7 +157,6 @@ class DynamicTreePolicy(TreePolicy):
     def grow(self, tree: Tree, calls: LevelCalls, budget: int) -> list[int]:
         self.steps += 1
         exploring = self.explore > 0 and self.steps % self.explore == 0
-        per_node = max(self.prices.verify_per_node(), 1e-6)
         step = _StepValue()
         frontier = [-1]
         for depth in range(1, min(self.max_depth, budget) + 1):
@@ -168,19 +167,24 @@ class DynamicTreePolicy(TreePolicy):
                 must_try = exploring and depth == 1
                 by_reach = sorted(frontier, key=lambda x: -tree.reach(x))
                 grow_level = self._lm_level if calls.is_lm(i) else self._lookup_level
-                level += grow_level(tree, calls, i, depth, by_reach, step, per_node, must_try)
+                level += grow_level(tree, calls, i, depth, by_reach, step, must_try)
             frontier = level
             if not frontier:
                 break
         return list(range(len(tree.nodes)))
 
+    def _node(self, tree: Tree, ahead: int = 0) -> float:
+        """Δverify of the next node when ``ahead`` more are already planned on top of the tree."""
+        return max(self.prices.verify_per_node(len(tree.nodes) + ahead), 1e-6)
+
     def _worth(self, gain: float, cost: float, step: _StepValue) -> bool:
         return gain / cost >= max(self.t_min, step.rate)
 
-    def _lookup_level(self, tree, calls, i, depth, by_reach, step, per_node, must_try) -> list[int]:
+    def _lookup_level(self, tree, calls, i, depth, by_reach, step, must_try) -> list[int]:
         """A forward-free drafter proposes below the most reached nodes while it pays."""
         added = []
         for x in by_reach:
+            per_node = self._node(tree)
             gain, cost = tree.reach(x) * self.acceptance.first_child(i, depth), self.prices.lookup(i) + per_node
             if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, cost, step) or must_try):
                 break
@@ -193,7 +197,7 @@ class DynamicTreePolicy(TreePolicy):
                 step.gain, step.cost = step.gain + gain, step.cost + per_node
         return added
 
-    def _lm_level(self, tree, calls, i, depth, by_reach, step, per_node, must_try) -> list[int]:
+    def _lm_level(self, tree, calls, i, depth, by_reach, step, must_try) -> list[int]:
         # 1. which frontier nodes to expand: one forward of width w, priced as it grows
         alpha_first = self.acceptance.first_child(i, depth)
         extra = 0 if i in tree.started or depth == 1 else 1  # a late start also feeds the root
@@ -201,6 +205,7 @@ class DynamicTreePolicy(TreePolicy):
         for x in by_reach[: self.max_nodes - len(tree.nodes)]:
             width = len(expand) + 1 + extra
             gain = tree.reach(x) * alpha_first
+            per_node = self._node(tree, len(expand))  # each expanded node's first child
             cost = self.prices.forward(i, width) - self.prices.forward(i, width - 1) + per_node
             if not self._worth(gain, cost, trial) and not (must_try and not expand):
                 break
@@ -214,16 +219,17 @@ class DynamicTreePolicy(TreePolicy):
         self.prices.record(tree, seen)
         # 2. which children to add: each costs Δverify; best first across the level
         if calls.deterministic(i):
-            return self._ranked_children(tree, calls, i, expand, logits, step, per_node, must_try)
-        return self._sampled_children(tree, calls, i, depth, expand, logits, step, per_node, must_try)
+            return self._ranked_children(tree, calls, i, expand, logits, step, must_try)
+        return self._sampled_children(tree, calls, i, depth, expand, logits, step, must_try)
 
-    def _ranked_children(self, tree, calls, i, expand, logits, step, per_node, must_try) -> list[int]:
+    def _ranked_children(self, tree, calls, i, expand, logits, step, must_try) -> list[int]:
         candidates = [(tree.reach(x) * self.acceptance.confident(i, conf), x, rank, token, conf)
                       for x in expand
                       for rank, (token, conf) in enumerate(calls.ranked(tree, x, logits[x], self.max_rank), start=1)]
         candidates.sort(key=lambda c: -c[0])
         added = []
         for n, (gain, x, rank, token, conf) in enumerate(candidates):
+            per_node = self._node(tree)
             if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, step) or (must_try and n == 0)):
                 break
             if token in tree.taken.get(x, set()):
@@ -232,13 +238,14 @@ class DynamicTreePolicy(TreePolicy):
             step.gain, step.cost = step.gain + gain, step.cost + per_node
         return added
 
-    def _sampled_children(self, tree, calls, i, depth, expand, logits, step, per_node, must_try) -> list[int]:
+    def _sampled_children(self, tree, calls, i, depth, expand, logits, step, must_try) -> list[int]:
         """Each sibling is decided before it is drawn (its inclusion must not depend on its value)."""
         added = []
         for n, x in enumerate(expand):
             q = calls.q(logits[x])  # [V]
             for rank in range(1, self.max_rank + 1):
                 gain = tree.reach(x) * self.acceptance.sibling(i, depth, rank)
+                per_node = self._node(tree)
                 first = must_try and n == 0 and rank == 1
                 if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, step) or first):
                     break
