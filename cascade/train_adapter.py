@@ -34,17 +34,10 @@ from cascade.data import load_prompts
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.models.adapter import ExitAdapter
-from cascade.models.layers import decoder_parts
+from cascade.models.layers import decoder_parts, dense_weight
 from cascade.run import ConfigError, _output_dir
 
 log = logging.getLogger(__name__)
-
-
-def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
-    """[out, in] fp32 weight of an nn.Linear or a swapped linear (oneDNN, fp16 weights)."""
-    if hasattr(linear, "dense_state"):
-        return linear.dense_state()["weight"].float()
-    return linear.weight.detach().float()
 
 
 @torch.no_grad()  # not inference_mode: the features feed the adapter's autograd graph

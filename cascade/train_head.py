@@ -29,11 +29,10 @@ from cascade.head_training import agreement, capture_features, chunk_loss, chunk
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.models.draft_head import DraftHead
-from cascade.models.layers import decoder_parts
+from cascade.models.layers import decoder_parts, dense_weight
 from cascade.models.pruned_head import rank_by_frequency
 from cascade.models.zoo import cache_root
 from cascade.run import ConfigError, _output_dir
-from cascade.train_adapter import dense_weight
 
 log = logging.getLogger(__name__)
 

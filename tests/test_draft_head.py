@@ -7,35 +7,15 @@ from hydra import compose, initialize_config_dir
 from cascade import generate
 from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade.drafters import ConfidenceStop, DraftHeadDrafter, NGramDrafter, SmallLMDrafter, ThompsonStop
-from cascade.head_training import Chunk, chunk_loss, target_features, unroll, unroll_mask
+from cascade.head_training import Chunk, target_features, unroll, unroll_mask
 from cascade.models import tiny_llama
 from cascade.models.draft_head import DraftHead, HeadCheckpointError
-from cascade.models.layers import decoder_parts
 from cascade.tree_drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
+from head_fit import fitted_head
 from test_greedy_equality import _prompts
 
 CONF = str((__import__("pathlib").Path(__file__).parents[1] / "conf").resolve())
-
-
-def fitted_head(target, steps=60, seed=0, vocab=None):
-    """A head trained for a few steps on the target's features of random repetitive text: it
-    agrees with the target often enough that drafts are accepted at several depths."""
-    gen = torch.Generator().manual_seed(seed)
-    head = DraftHead.from_target(target, vocab, seed=seed)
-    rows = decoder_parts(target).head.weight.detach().float()
-    rows = rows if vocab is None else rows[vocab]
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    for _ in range(steps):
-        ids = torch.randint(0, target.vocab_size, (6,), generator=gen).tolist() * 5
-        out = generate(target, ids[:12], max_new_tokens=20, stop_on_eos=False, temperature=1.0,
-                       generator=gen).tokens
-        seq = ids[:12] + out
-        loss, _ = chunk_loss(head, target, Chunk(torch.tensor(seq), target_features(target, seq)), rows, 2, 0.1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval()
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +166,42 @@ def test_train_then_run_loads_the_written_weights(tmp_path, tiny_target):
     mtimes = [f.stat().st_mtime_ns for f in files]
     train(cfg)
     assert [f.stat().st_mtime_ns for f in files] == mtimes
+
+
+def _bound(head, target, context):
+    from cascade.types import SamplingConfig
+
+    drafter = DraftHeadDrafter(head)
+    drafter.check_compatible(target)
+    drafter.bind(target, None)
+    drafter.reset(SamplingConfig(), None)
+    drafter.prefill(context, target_features(target, context[:-1]))
+    return drafter
+
+
+@pytest.mark.parametrize("one_call", [False, True])
+def test_tree_levels_equal_each_path_drafted_alone(one_call, tiny_target, head):
+    """Level by level, or every node in one call (parents first: a policy feeding a path another
+    drafter proposed), each node's logits are the head's after drafting its path alone."""
+    import random
+
+    from cascade.tree import depths_of, path_to
+    from test_tree_levels import grow_by_levels, random_tree
+
+    rng = random.Random(3)
+    context = [rng.randrange(32) for _ in range(7)]
+    tokens, parents = random_tree(rng, 12, 32)
+    drafter = _bound(head, tiny_target, context)
+    if one_call:
+        order = sorted(range(len(tokens)), key=lambda i: (depths_of(parents)[i], i))
+        got = {-1: drafter.tree_start(context)}
+        rows = drafter.tree_level(order, [tokens[i] for i in order], [parents[i] for i in order])
+        got.update({i: rows[r] for r, i in enumerate(order)})
+    else:
+        got = grow_by_levels(drafter, context, tokens, parents)
+    drafter.tree_end()
+    reference = _bound(head, tiny_target, context)
+    for node, logits in got.items():
+        path = [tokens[j] for j in path_to(node, parents)] if node != -1 else []
+        want = reference.score(context, path)[-1]
+        torch.testing.assert_close(logits, want, atol=1e-9, rtol=0)

@@ -17,7 +17,7 @@ import torch
 from broken_doubles import VERIFIERS, FullQPrunedDrafter, MiddleResidualCascade
 from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade import generate
-from cascade.drafters import (ConfidenceStop, Datastore, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter,
+from cascade.drafters import (ConfidenceStop, Datastore, DraftHeadDrafter, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter,
                               SuffixDrafter, ThompsonStop, TokenRecyclingDrafter)
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
@@ -26,6 +26,7 @@ from cascade.sampling import logits_to_probs
 from cascade.tree_drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
+from head_fit import fitted_head
 from deep_stats import LEVEL, exact_law, hf_warpers, lossless_pvalue, sample_outputs
 
 V = 5
@@ -89,6 +90,14 @@ def methods(target, close, far):
         "dynamic_tree": lambda: TreeDrafter([SmallLMDrafter(close), NGramDrafter(k=1), LayerSkipDrafter(2, sample=False)],
                                             DynamicTreePolicy(t_min=0.02, max_nodes=24, max_depth=5, max_rank=1,
                                                               prior_drafter_cost=0.01, prior_verify_slope=0.005, measure_costs=False)),
+        # an EAGLE-style draft head, fitted for a few steps to the target
+        "chain_draft_head": lambda: DraftHeadDrafter(fitted_head(target, motif=3), k=5),
+        "static_tree_draft_head": lambda: TreeDrafter([DraftHeadDrafter(fitted_head(target, motif=3))],
+                                                      StaticTreePolicy((2, 1, 1, 1))),
+        "dytc_draft_head": lambda: TreeDrafter([DraftHeadDrafter(fitted_head(target, motif=3)), SmallLMDrafter(close),
+                                                NGramDrafter(k=1)],
+                                               DynamicTreePolicy(t_min=0.02, max_nodes=24, max_depth=5, max_rank=1,
+                                                                 prior_drafter_cost=0.01, prior_verify_slope=0.005, measure_costs=False)),
         # forward-free drafters (tables and datastores carry over across generations)
         "chain_recycling": lambda: TokenRecyclingDrafter(r=2, k=5),
         "tree_recycling": lambda: TokenRecyclingDrafter(r=3, tree=(3, 2, 1, 1)),  # deterministic siblings

@@ -159,13 +159,25 @@ class DraftHeadDrafter(LMDrafter):
         return logits
 
     def _forward_nodes(self, tokens: list[int], positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Each node is fed its parent's predicted feature, so a node whose parent is in the same
+        call (a tree policy feeding a path another drafter proposed) waits for a later forward:
+        the call runs in waves, each over nodes whose parents are already fed."""
         t = self._tree
         w = len(tokens)
+        first = len(t.ids) - w  # slot of this call's first node
         parents = t.parents[-w:]  # slots of the parents (-1: the root)
-        feats = torch.stack([self._last if p == -1 else self._node_feats[p] for p in parents])  # [w, H]
-        out, logits = self._step(feats, tokens, positions, mask)
-        self._node_feats.extend(out.unbind(0))
-        return logits  # [w, V]
+        rows, a = [], 0
+        while a < w:
+            b = a + 1  # node a's parent comes before it: fed before this wave
+            while b < w and parents[b] < first + a:
+                b += 1
+            feats = torch.stack([self._last if p == -1 else self._node_feats[p] for p in parents[a:b]])  # [b-a, H]
+            cols = mask.shape[-1] - (w - b)  # the nodes after this wave are not in the cache yet
+            out, logits = self._step(feats, tokens[a:b], positions[a:b], mask[:, :, a:b, :cols])
+            self._node_feats.extend(out.unbind(0))
+            rows.append(logits)
+            a = b
+        return torch.cat(rows)  # [w, V]
 
     def tree_commit(self, path: list[int]) -> None:
         """Nothing to keep: the accepted nodes are recomputed from the target's features at the

@@ -22,23 +22,10 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from cascade.models.layers import decoder_parts
+from cascade.models.layers import decoder_parts, dense_state
 from cascade.models.lm import CausalLM
 
 FORMAT = "cascade.exit_adapter/1"
-
-
-def _dense_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict of ``module`` with any swapped linear child (oneDNN, fp16 weights) read back as
-    a dense Linear's."""
-    state = {}
-    for name, child in module.named_children():
-        if hasattr(child, "dense_state"):
-            state.update({f"{name}.{k}": v for k, v in child.dense_state().items()})
-        else:
-            state.update({f"{name}.{k}": v for k, v in child.state_dict().items()})
-    state.update({k: v.detach() for k, v in module.named_parameters(recurse=False)})
-    return state
 
 
 class ExitAdapter(nn.Module):
@@ -62,7 +49,7 @@ class ExitAdapter(nn.Module):
         src = parts.layers[exit_layer]
         attn = type(src.self_attn)(config, layer_idx=0)
         wanted = attn.state_dict().keys()  # OneDNNLinear always carries a bias; keep only real ones
-        attn.load_state_dict({k: v.float() for k, v in _dense_state(src.self_attn).items() if k in wanted})
+        attn.load_state_dict({k: v.float() for k, v in dense_state(src.self_attn).items() if k in wanted})
         in_norm = copy.deepcopy(src.input_layernorm).float()
         out_norm = copy.deepcopy(parts.norm).float()
         return cls(attn.float(), in_norm, out_norm, config, exit_layer, lm.name)

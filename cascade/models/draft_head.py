@@ -34,9 +34,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from cascade.models.adapter import _dense_state
 from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
-from cascade.models.layers import decoder_parts
+from cascade.models.layers import decoder_parts, dense_state
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
 from cascade.models.pruned_head import PrunedHead
 
@@ -85,7 +84,7 @@ class DraftHead(nn.Module):
         src = parts.layers[-1]
         layer = type(src)(config, layer_idx=0)
         wanted = layer.state_dict().keys()  # OneDNNLinear always carries a bias; keep only real ones
-        layer.load_state_dict({k: v.float() for k, v in _dense_state_deep(src).items() if k in wanted})
+        layer.load_state_dict({k: v.float() for k, v in dense_state(src).items() if k in wanted})
         hidden = facts["hidden_size"]
         gen = torch.Generator().manual_seed(seed)
         fc = nn.Linear(2 * hidden, hidden, bias=True)
@@ -191,12 +190,3 @@ class DraftHead(nn.Module):
         head.metrics = payload.get("metrics", {})
         return head
 
-
-def _dense_state_deep(module: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict of a decoder layer with every swapped linear (oneDNN, fp16 weights) read back as
-    a dense Linear's (``_dense_state`` one level down: attention and MLP blocks)."""
-    state = {}
-    for name, child in module.named_children():
-        state.update({f"{name}.{k}": v for k, v in _dense_state(child).items()})
-    state.update({k: v.detach() for k, v in module.named_parameters(recurse=False)})
-    return state

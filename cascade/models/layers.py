@@ -32,6 +32,21 @@ class DecoderParts:
         return int(self.config.num_hidden_layers)
 
 
+def dense_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of ``module`` as a dense module would hold them: any swapped linear child
+    (oneDNN, FBGEMM fp16 weights, dispatch) read back through its ``dense_state``."""
+    state = {k: v.detach() for k, v in module.named_parameters(recurse=False)}
+    for name, child in module.named_children():
+        sub = child.dense_state() if hasattr(child, "dense_state") else dense_state(child)
+        state.update({f"{name}.{k}": v for k, v in sub.items()})
+    return state
+
+
+def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """[out, in] fp32 weight of an nn.Linear or a swapped linear (oneDNN, fp16 weights)."""
+    return dense_state(linear)["weight"].float()
+
+
 def decoder_parts(lm: CausalLM) -> DecoderParts:
     base = lm.model.get_decoder()
     missing = [a for a in ("layers", "norm", "rotary_emb") if not hasattr(base, a)]
