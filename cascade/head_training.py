@@ -164,7 +164,7 @@ def unroll(head: DraftHead, lm: CausalLM, chunk: Chunk, steps: int) -> list[torc
     n = chunk.tokens.numel() - 1
     positions = torch.arange(n)
     tokens = chunk.tokens[1:]  # x_{u+1}
-    feats = chunk.features.to(head.fc.weight.dtype)
+    feats = chunk.features.to(head.fc.weight.device, head.fc.weight.dtype)
     cache = head.new_cache() if steps > 1 else None
     inputs, outs = feats[:n], []
     for s in range(1, steps + 1):
@@ -179,10 +179,10 @@ def chunk_loss(head: DraftHead, lm: CausalLM, chunk: Chunk, head_rows: torch.Ten
                feature_weight: float) -> tuple[torch.Tensor, list[float]]:
     """Summed loss over the unrolled steps and each step's top-1 agreement with the teacher on
     the head's vocabulary. ``head_rows``: [|S|, H] the target's LM-head rows of the head's vocabulary."""
-    feats = chunk.features.to(head_rows.dtype)
+    feats = chunk.features.to(head_rows.device, head_rows.dtype)
     with torch.no_grad():
         teacher = torch.softmax(feats[1:] @ head_rows.T, -1)  # [n, |S|] the target's distribution over S
-    total, hits = torch.zeros(()), []
+    total, hits = torch.zeros((), device=feats.device), []
     for s, out in enumerate(unroll(head, lm, chunk, steps), start=1):
         valid = slice(s - 1, None)  # a draft s deep needs a root at u - s + 1 >= 0
         if out[valid].shape[0] == 0:  # a chunk too short for this depth
@@ -202,10 +202,10 @@ def agreement(head: DraftHead, lm: CausalLM, chunks: list[Chunk], head_rows: tor
     hits, counts = [0] * depths, [0] * depths
     target_head = decoder_parts(lm).head
     for c in chunks:
-        want = target_head(c.features.to(lm.dtype)).argmax(-1)[1:]  # [n] the target's argmax at u+1
+        want = target_head(c.features.to(lm.device, lm.dtype)).argmax(-1)[1:]  # [n] the target's argmax at u+1
         for d, out in enumerate(unroll(head, lm, c, depths)):
             got = (out[d:] @ head_rows.T).argmax(-1)
-            got = vocab[got] if vocab is not None else got
+            got = vocab.to(got.device)[got] if vocab is not None else got
             hits[d] += int((got == want[d:]).sum())
             counts[d] += got.numel()
     return [h / max(n, 1) for h, n in zip(hits, counts)]

@@ -10,7 +10,7 @@
 4. ``summary.json`` and ``head.pt`` in the Hydra run directory; the checkpoint is also copied to
    ``train.save_to`` (``models.head_path``: where the draft-head methods load it by default).
 
-``device=cuda`` (``models.device``) trains on a GPU with the same code.
+``models.device=cuda`` trains on a GPU with the same code (written for it; not run on a GPU yet).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class DraftHead(nn.Module):
         parts = decoder_parts(lm)
         dtype = self.fc.weight.dtype if isinstance(self.fc, nn.Linear) else lm.dtype
         emb = parts.embed(tokens.reshape(-1).to(lm.device)).to(dtype)  # [n, H]
-        x = self.fc(torch.cat([features.to(dtype), emb], -1)).unsqueeze(0)  # [1, n, H]
+        x = self.fc(torch.cat([features.to(emb.device, dtype), emb], -1)).unsqueeze(0)  # [1, n, H]
         pos = positions.reshape(1, -1).to(x.device)  # [1, n]
         pe = parts.rotary(x, position_ids=pos)
         if attention_mask is not None:

@@ -35,6 +35,8 @@ class DecoderParts:
 def dense_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The parameters of ``module`` as a dense module would hold them: any swapped linear child
     (oneDNN, FBGEMM fp16 weights, dispatch) read back through its ``dense_state``."""
+    if hasattr(module, "dense_state"):
+        return module.dense_state()
     state = {k: v.detach() for k, v in module.named_parameters(recurse=False)}
     for name, child in module.named_children():
         sub = child.dense_state() if hasattr(child, "dense_state") else dense_state(child)
