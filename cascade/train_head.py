@@ -56,6 +56,64 @@ def _lr(step: int, total: int, base: float, warmup: int) -> float:
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _first_tokens(chunks: list, tokens: int) -> list:
+    """The first chunks holding at least ``tokens`` tokens (or all)."""
+    kept, count = [], 0
+    for c in chunks:
+        if count >= tokens:
+            break
+        kept.append(c)
+        count += c.tokens.numel()
+    return kept
+
+
+def _head_vocab(lm, chunks: list, size: int | None) -> torch.Tensor | None:
+    """The ``size`` ids most frequent in ``chunks`` plus EOS, sorted (None: the whole vocabulary)."""
+    if size is None or size >= lm.vocab_size:
+        return None
+    keep = rank_by_frequency([c.tokens for c in chunks], lm.vocab_size)[:size].tolist()
+    keep += [i for i in sorted(lm.eos_token_ids) if i not in set(keep) and i < lm.vocab_size]
+    return torch.tensor(sorted(keep))
+
+
+def _train_epochs(head: DraftHead, lm, train_chunks: list, held: list, head_rows: torch.Tensor,
+                  vocab: torch.Tensor | None, cfg: DictConfig, ckpt: Path) -> list[dict]:
+    """AdamW over ``train.epochs`` shuffled passes; after each, the held-out agreement (printed)
+    and the checkpoint (atomic). Returns the per-epoch history."""
+    t = cfg.train
+    opt = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    total_steps = t.epochs * len(train_chunks)
+    warmup = max(1, int(0.05 * total_steps))
+    history, step = [], 0
+    bar = tqdm(total=total_steps, desc="train head", disable=not cfg.progress)
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for epoch in range(t.epochs):
+        head.train()
+        loss_sum = 0.0
+        for i in torch.randperm(len(train_chunks), generator=gen).tolist():
+            for group in opt.param_groups:
+                group["lr"] = _lr(step, total_steps, t.lr, warmup)
+            loss, hits = chunk_loss(head, lm, train_chunks[i], head_rows, t.unroll, t.feature_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), t.clip)
+            opt.step()
+            loss_sum += loss.item()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", top1=f"{hits[0]:.2f}")
+        head.eval()
+        agree = agreement(head, lm, held, head_rows, vocab)
+        history.append({"epoch": epoch, "loss": loss_sum / len(train_chunks), "agreement": agree,
+                        "elapsed_s": time.perf_counter() - t0})
+        print(f"epoch {epoch}: loss {history[-1]['loss']:.3f}, held-out top-1 agreement at depths 1-4: "
+              + " ".join(f"{a:.3f}" for a in agree), flush=True)
+        head.save(ckpt, metrics={"epochs_done": epoch + 1, "history": history})  # nothing lost on interruption
+    bar.close()
+    return history
+
+
 def train(cfg: DictConfig) -> dict:
     """Capture, train, evaluate and save; returns the summary written to ``summary.json``."""
     t = cfg.train
@@ -78,20 +136,8 @@ def train(cfg: DictConfig) -> dict:
     n_held = max(1, round(len(chunks) * t.heldout_frac))
     train_chunks, held = chunks[:-n_held], chunks[-n_held:]
     if t.train_tokens is not None:  # a smaller training set from the same captured features
-        kept, count = [], 0
-        for c in train_chunks:
-            if count >= t.train_tokens:
-                break
-            kept.append(c)
-            count += c.tokens.numel()
-        train_chunks = kept
-
-    vocab = None
-    if t.vocab is not None and t.vocab < lm.vocab_size:
-        ranked = rank_by_frequency([c.tokens for c in train_chunks], lm.vocab_size)
-        keep = ranked[: t.vocab].tolist()
-        keep += [i for i in sorted(lm.eos_token_ids) if i not in set(keep) and i < lm.vocab_size]
-        vocab = torch.tensor(sorted(keep))
+        train_chunks = _first_tokens(train_chunks, t.train_tokens)
+    vocab = _head_vocab(lm, train_chunks, t.vocab)
     head = DraftHead.from_target(lm, vocab, seed=cfg.seed).to(lm.device)
     head_w = dense_weight(decoder_parts(lm).head)  # [V, H]
     head_rows = (head_w if vocab is None else head_w[vocab]).to(lm.device)  # [|S|, H]
@@ -99,38 +145,10 @@ def train(cfg: DictConfig) -> dict:
     agree_init = agreement(head, lm, held, head_rows, vocab)
     log.info("held-out top-1 agreement at depths 1-4 before training: %s", [round(a, 3) for a in agree_init])
 
-    opt = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = out_dir / "head.pt"
-    total_steps = t.epochs * len(train_chunks)
-    warmup = max(1, int(0.05 * total_steps))
-    history, step = [], 0
-    bar = tqdm(total=total_steps, desc="train head", disable=not cfg.progress)
     t1 = time.perf_counter()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    for epoch in range(t.epochs):
-        head.train()
-        loss_sum = 0.0
-        for i in torch.randperm(len(train_chunks), generator=gen).tolist():
-            for group in opt.param_groups:
-                group["lr"] = _lr(step, total_steps, t.lr, warmup)
-            loss, hits = chunk_loss(head, lm, train_chunks[i], head_rows, t.unroll, t.feature_weight)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), t.clip)
-            opt.step()
-            loss_sum += loss.item()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", top1=f"{hits[0]:.2f}")
-        head.eval()
-        agree = agreement(head, lm, held, head_rows, vocab)
-        history.append({"epoch": epoch, "loss": loss_sum / len(train_chunks), "agreement": agree,
-                        "elapsed_s": time.perf_counter() - t1})
-        print(f"epoch {epoch}: loss {history[-1]['loss']:.3f}, held-out top-1 agreement at depths 1-4: "
-              + " ".join(f"{a:.3f}" for a in agree), flush=True)
-        head.save(ckpt, metrics={"epochs_done": epoch + 1, "history": history})  # nothing lost on interruption
-    bar.close()
+    history = _train_epochs(head, lm, train_chunks, held, head_rows, vocab, cfg, ckpt)
     metrics = {
         "target": lm.name, "sources": sources, "features_dir": str(features_dir),
         "train_tokens": sum(c.tokens.numel() for c in train_chunks), "heldout_tokens": sum(c.tokens.numel() for c in held),
