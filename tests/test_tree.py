@@ -363,7 +363,10 @@ class _SlowLevels(SmallLMDrafter):
 def test_dynamic_policy_stops_drafting_when_it_does_not_pay(tiny_target, tiny_close_drafter):
     """Do no harm: with a drafter far more expensive than the target, the policy measures its
     cost and drafts only on exploration steps (every 8th here) after the first ones."""
-    drafter = TreeDrafter([_SlowLevels(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, explore=8, calibrate=True))
+    # the prior prices the drafter low (0.05 of a step), so that it pays against the calibrated
+    # verification curve, whose first node on this tiny model costs a sizeable share of a step
+    drafter = TreeDrafter([_SlowLevels(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, explore=8, calibrate=True,
+                                                                               prior_drafter_cost=0.05))
     out = generate(tiny_target, [1, 2, 3, 4], drafter=drafter, max_new_tokens=48, stop_on_eos=False)
     drafting = [s.step for s in out.steps if s.drafted]
     assert drafting and drafting[0] == 0  # the prior said it might pay: it tried
