@@ -14,7 +14,6 @@ checkpoint made for another target shape or exit layer.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from cascade.models.checkpoints import load_checkpoint, save_checkpoint
 from cascade.models.layers import decoder_parts, dense_state
 from cascade.models.lm import CausalLM
 
@@ -100,27 +100,17 @@ class ExitAdapter(nn.Module):
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path, metrics: dict | None = None) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "format": FORMAT, "exit_layer": self.exit_layer, "target": self.target_name,
             "hidden_size": self.hidden_size,
             "state_dict": {k: v.detach().float().cpu() for k, v in self.state_dict().items()},
             "metrics": metrics or {},
         }
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # atomic: an interrupted save never leaves a half-written checkpoint
-        return path
+        return save_checkpoint(payload, path)
 
     @classmethod
     def load(cls, path: str | Path, lm: CausalLM) -> "ExitAdapter":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"adapter checkpoint {path} does not exist (train one with python -m cascade.train_adapter)")
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a cascade exit-adapter checkpoint")
+        payload = load_checkpoint(path, FORMAT, "exit-adapter", "cascade.train_adapter")
         adapter = cls.from_target(lm, int(payload["exit_layer"]))
         if payload["hidden_size"] != adapter.hidden_size:
             raise ValueError(f"{path} was trained for hidden size {payload['hidden_size']}, target {lm.name!r} has {adapter.hidden_size}")

@@ -26,7 +26,6 @@ another target shape (hidden size, layer count, vocabulary size) or another targ
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
+from cascade.models.checkpoints import load_checkpoint, save_checkpoint
 from cascade.models.layers import decoder_parts, dense_state
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
 from cascade.models.pruned_head import PrunedHead
@@ -156,27 +156,17 @@ class DraftHead(nn.Module):
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path, metrics: dict | None = None) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "format": FORMAT, **self.facts,
             "vocab": None if self.vocab is None else self.vocab.cpu(),
             "state_dict": {k: v.detach().float().cpu() for k, v in self.state_dict().items() if k != "vocab"},
             "metrics": metrics or {},
         }
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # atomic: an interrupted save never leaves a half-written checkpoint
-        return path
+        return save_checkpoint(payload, path)
 
     @classmethod
     def load(cls, path: str | Path, lm: CausalLM) -> "DraftHead":
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"draft-head checkpoint {path} does not exist (train one with python -m cascade.train_head)")
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            raise HeadCheckpointError(f"{path} is not a cascade draft-head checkpoint")
+        payload = load_checkpoint(path, FORMAT, "draft-head", "cascade.train_head", HeadCheckpointError)
         facts = _target_facts(lm)
         wrong = {k: (payload.get(k), v) for k, v in facts.items() if payload.get(k) != v}
         if wrong:
