@@ -31,7 +31,7 @@ from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs
 from cascade.types import CascadeStats, DraftBlock, DrafterInfo, LevelStats, SamplingConfig, Scored, Segment, VerifyResult
-from cascade.verify import EXACT, Verifier
+from cascade.verify import EXACT, Verifier, verifier_named
 
 
 class VerticalCascade(Drafter):
@@ -45,9 +45,11 @@ class VerticalCascade(Drafter):
 
     kind = "vertical_cascade"
 
-    def __init__(self, levels: list[Drafter], name: str | None = None, verifier: Verifier = EXACT) -> None:
-        """verifier: the acceptance rules every inner round uses (``cascade.verify``; exact by default)."""
+    def __init__(self, levels: list[Drafter], name: str | None = None, verifier: Verifier | str = EXACT) -> None:
+        """verifier: the acceptance rules every inner round uses (``cascade.verify``; token-wise by
+        default; a name: ``token``, ``block``, ``traversal``)."""
         levels = list(levels)
+        verifier = verifier_named(verifier)
         if len(levels) < 2:
             raise ValueError("a vertical cascade needs at least two levels")
         if not isinstance(levels[0], LMDrafter):

@@ -23,7 +23,7 @@ from cascade.models.lm import CausalLM
 from cascade.sampling import make_generator
 from cascade.summary import RunStats
 from cascade.types import DraftBlock, SamplingConfig, Scored, StepRecord
-from cascade.verify import EXACT, Verifier, commit
+from cascade.verify import EXACT, Verifier, commit, verifier_named
 
 
 @dataclass
@@ -105,7 +105,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     stop_on_eos: bool = True,
     progress: bool = False,
-    verifier: Verifier = EXACT,
+    verifier: Verifier | str = EXACT,
     sampling: SamplingConfig | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch size 1).
@@ -113,7 +113,8 @@ def generate(
     With ``drafter=None`` this is plain autoregressive decoding. Output is distributed exactly as
     the target's (greedy: identical tokens). ``eos_token_id`` defaults to the target's EOS ids;
     ``generator`` (or ``seed``) is the only source of randomness. ``verifier`` holds the
-    acceptance rules (``cascade.verify``; the exact ones by default). ``sampling`` passes the
+    acceptance rules (``cascade.verify``: token-wise by default; ``"block"`` / ``"traversal"`` name block and
+    traversal verification, equally exact). ``sampling`` passes the
     temperature / top-k / top-p as one ``SamplingConfig`` (what ``cascade.run`` instantiates from
     the ``sampling`` config group); the three scalars are a shorthand for it, not both.
     """
@@ -123,6 +124,7 @@ def generate(
         raise ValueError("pass either sampling=SamplingConfig(...) or temperature/top_k/top_p, not both")
     prompt = _prompt_ids(input_ids)
     _validate(target, prompt, max_new_tokens)
+    verifier = verifier_named(verifier)
     if eos_token_id is None:
         eos = target.eos_token_ids if stop_on_eos else set()
     else:
@@ -130,6 +132,9 @@ def generate(
     gen = generator if generator is not None else make_generator(seed, target.device)
     if drafter is not None:
         drafter.check_compatible(target)
+        if drafter.drafts_trees and not verifier.trees:
+            raise ValueError(f"{drafter.name} drafts token trees, which this verification rule cannot judge "
+                             "(block verification judges chains): use traversal verification (verify=traversal)")
     hidden_layer = drafter.hidden_layer if drafter is not None else None
 
     device = target.device

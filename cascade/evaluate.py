@@ -34,6 +34,7 @@ from cascade.metrics import decomposition, prediction, speedup, summarize
 from cascade.models.lm import CausalLM
 from cascade.summary import CategoryResult, Divergence, HeldOut, MethodSummary
 from cascade.types import DrafterInfo, SamplingConfig
+from cascade.verify import EXACT, Verifier
 
 BASELINE = "ar"
 
@@ -50,9 +51,11 @@ class SpeculativeMethod:
     """``cascade.generate`` with ``drafter`` (None: autoregressive decoding)."""
 
     drafter: Drafter | None = None
+    verifier: Verifier = EXACT  # the target's verification rule (cascade.verify.VERIFIERS)
 
     def decode(self, target, ids, max_new_tokens, sampling, seed):
-        return generate(target, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling)
+        return generate(target, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling,
+                        verifier=self.verifier)
 
     def describe(self, name: str) -> DrafterInfo:
         if self.drafter is None:

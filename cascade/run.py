@@ -20,7 +20,10 @@ Methods: an experiment names several in ``methods`` (name -> a ``conf/method`` e
 with ``/method@methods.NAME: ENTRY`` in its defaults list); with ``methods`` empty the run
 compares the one ``method``. A method config holds ``drafter`` (cascade's loop; null:
 autoregressive) or ``generate`` (an object with ``decode``/``describe``, e.g. transformers' own
-``generate``: ``cascade.evaluate.TransformersGenerate``).
+``generate``: ``cascade.evaluate.TransformersGenerate``), and optionally ``verify``: the sampled
+verification rule (``token``, ``block``, ``traversal``: ``cascade.verify``), else the run's
+``verify``. A vertical cascade's inner rounds follow its method's rule where its config says
+``verifier: ${..verify}`` (the ``conf/method`` cascades do).
 
 Both files are written to a temporary name and renamed, so an interrupted run leaves no half
 file; a directory that already holds a ``summary.json`` is refused unless ``overwrite=true``.
@@ -47,6 +50,7 @@ from cascade.metrics import write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
 from cascade.summary import Environment, MethodSummary, RunSummary
 from cascade.types import SamplingConfig
+from cascade.verify import VERIFIERS, verifier_named
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,11 @@ def method_configs(cfg: DictConfig) -> dict[str, DictConfig]:
     return {BASELINE: OmegaConf.create({"name": BASELINE, "drafter": None}), **{n: m for n, m in named.items() if n != BASELINE}}
 
 
+def verify_rule(cfg: DictConfig, mcfg: DictConfig) -> str:
+    """The sampled verification rule a method uses: its own ``verify``, else the run's."""
+    return mcfg.get("verify") or cfg.get("verify") or "token"
+
+
 def validate(cfg: DictConfig) -> SamplingConfig:
     """Fail fast with a clear message: missing values, unknown classes, bad sampling values.
     Returns the run's sampling settings (validated once, by ``SamplingConfig`` itself)."""
@@ -83,6 +92,9 @@ def validate(cfg: DictConfig) -> SamplingConfig:
     for name, mcfg in method_configs(cfg).items():
         if mcfg.get("drafter") is not None and mcfg.get("generate") is not None:
             raise ConfigError(f"method {name!r} sets both drafter and generate; a method is one or the other")
+        if verify_rule(cfg, mcfg) not in VERIFIERS:
+            raise ConfigError(f"method {name!r}: unknown verification rule {verify_rule(cfg, mcfg)!r} "
+                              f"(verify= one of {', '.join(VERIFIERS)})")
         for target in _targets(OmegaConf.to_container(mcfg, resolve=False)):
             try:
                 get_object(target)
@@ -96,11 +108,12 @@ def validate(cfg: DictConfig) -> SamplingConfig:
         raise ConfigError(f"sampling: {exc.__cause__ or exc}") from exc
 
 
-def build_method(mcfg: DictConfig) -> Method:
-    """The object a method config describes (see the module docstring)."""
+def build_method(mcfg: DictConfig, rule: str = "token") -> Method:
+    """The object a method config describes (see the module docstring); ``rule`` names the target's
+    verification rule (``cascade.verify.VERIFIERS``)."""
     if mcfg.get("generate") is not None:
         return instantiate(mcfg.generate)
-    return SpeculativeMethod(None if mcfg.get("drafter") is None else instantiate(mcfg.drafter))
+    return SpeculativeMethod(None if mcfg.get("drafter") is None else instantiate(mcfg.drafter), verifier_named(rule))
 
 
 def _cpu() -> tuple[str | None, list[str]]:
@@ -181,7 +194,7 @@ def run(cfg: DictConfig) -> RunSummary:
 
     m = cfg.models
     target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
-    methods = {name: build_method(mcfg) for name, mcfg in method_configs(cfg).items()}
+    methods = {name: build_method(mcfg, verify_rule(cfg, mcfg)) for name, mcfg in method_configs(cfg).items()}
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 

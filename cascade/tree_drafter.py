@@ -59,6 +59,8 @@ class TreeDrafter(Drafter):
         return DrafterInfo(self.kind, self.name, self.budget, parts=[d.describe() for d in self.drafters])
 
     # ---- protocol ---------------------------------------------------------------------------
+    drafts_trees = True
+
     def check_compatible(self, target: CausalLM) -> None:
         for d in self.drafters:
             d.check_compatible(target)

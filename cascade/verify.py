@@ -341,11 +341,13 @@ class Verifier:
     """How a draft is shown to the target and judged: ``inputs(parents, past, dtype)`` (tree
     positions and mask, ``cascade.tree.tree_inputs``), and the acceptance rules
     ``greedy(tokens, parents, argmax)`` and ``sampled(tokens, parents, q, p, generator)``.
-    Replace one to study (or test) another rule."""
+    Replace one to study (or test) another rule. ``trees``: whether the sampled rule judges token
+    trees (block verification judges chains only; ``generate`` refuses it a tree drafter)."""
 
     greedy: Callable[..., VerifyResult] = accept_greedy
     sampled: Callable[..., VerifyResult] = accept_sampled
     inputs: Callable[..., tuple] = tree_inputs
+    trees: bool = True
 
     def forward(self, target: CausalLM, cache, last: int, block: DraftBlock, return_hidden: int | None = None):
         """One target forward over ``[last] + block.tokens`` on top of ``cache`` (which holds the
@@ -375,7 +377,7 @@ EXACT = Verifier()
 # The sampled rules a config may name (``verify=...``); greedy decoding is the same under each.
 VERIFIERS: dict[str, Verifier] = {
     "token": EXACT,
-    "block": Verifier(sampled=accept_block),
+    "block": Verifier(sampled=accept_block, trees=False),
     "traversal": Verifier(sampled=accept_traversal),
 }
 

@@ -142,3 +142,54 @@ class FullQPrunedDrafter(SmallLMDrafter):
             return block
         logits = self.full.score(context, block.tokens[:-1].tolist())  # [k, V]: after context and each drafted prefix
         return DraftBlock(block.tokens, logits_to_probs(logits, self.sampling), block.drafter, stop=block.stop)
+
+
+# Block and traversal verification with one mistake each (all switches off: the real rules, draw
+# for draw; tests/test_lossless_deep.py asserts it).
+#
+# ``block_weight_shift``  block verification's backward pass takes a position's stop probability
+#                         and residual from the next position's weight (w_{j+1} instead of w_j)
+# ``traversal_stale``     traversal verification keeps a parent's weight after a child's subtree
+#                         is rejected (its law is updated): later siblings and the parent's own
+#                         stop are judged with a stale weight
+
+
+def _accept_block(tokens, parents, q, p, generator, *, weight_shift=False):
+    from cascade.verify import _after_rejection, _q_row, _start_weight
+
+    k = len(tokens)
+    weights = [1.0]
+    for j, x in enumerate(tokens):
+        weights.append(_start_weight(weights[j], p[j], q, j, x))
+    for j in range(k, -1, -1):
+        if j == k:
+            stop, law = weights[k], p[k]
+        else:
+            w = weights[j + 1] if weight_shift and j > 0 else weights[j]
+            stop, law = _after_rejection(w, p[j], _q_row(q, j, tokens[j], p[j]))
+        if j == 0 or _uniform(generator) < stop:
+            break
+    judgements = [ACCEPTED] * j + [REJECTED] * (j < k) + [UNJUDGED] * (k - j - 1)
+    return VerifyResult(j, int(sample(law, generator)), j == k, list(range(j)), judgements)
+
+
+def _accept_traversal(tokens, parents, q, p, generator, *, stale=False):
+    import cascade.verify as v
+
+    original = v._after_rejection
+    if stale:
+        v._after_rejection = lambda w, law, q_row: (w if w < 1 else 1.0, original(w, law, q_row)[1])
+    try:
+        return v.accept_traversal(tokens, parents, q, p, generator)
+    finally:
+        v._after_rejection = original
+
+
+VERIFIERS.update({
+    "block_weight_shift": Verifier(sampled=lambda *a: _accept_block(*a, weight_shift=True), trees=False),
+    "traversal_stale": Verifier(sampled=lambda *a: _accept_traversal(*a, stale=True)),
+})
+EXACT_DOUBLES = {  # the doubles with every switch off
+    "block": Verifier(sampled=_accept_block, trees=False),
+    "traversal": Verifier(sampled=_accept_traversal),
+}

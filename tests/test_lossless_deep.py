@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from broken_doubles import VERIFIERS, FullQPrunedDrafter, MiddleResidualCascade
+from broken_doubles import EXACT_DOUBLES, VERIFIERS, FullQPrunedDrafter, MiddleResidualCascade
 from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade import generate
 from cascade.drafters import (ConfidenceStop, Datastore, DraftHeadDrafter, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter,
@@ -26,6 +26,7 @@ from cascade.sampling import logits_to_probs
 from cascade.tree_drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
+from cascade.verify import VERIFIERS as RULES
 from head_fit import fitted_head
 from deep_stats import LEVEL, exact_law, hf_warpers, lossless_pvalue, sample_outputs
 
@@ -216,3 +217,64 @@ def test_depth_report_counts_accepts_and_rejections():
 
     s = Samples(np.zeros((1, L)), {(0, True): 3, (2, True): 1, (3, False): 2})
     assert s.depth_report() == "depth: accepted/rejected 1: 3/3, 2: 3/0, 3: 2/1"
+
+
+# Block and traversal verification (cascade.verify) through the real loop: the chain, a vertical
+# cascade (inner rounds judged by the same rule), and every tree policy for traversal.
+RULE_METHODS = {
+    "block": ["chain_small_lm", "vertical_2"],
+    "traversal": ["chain_small_lm", "vertical_2", "static_tree", "reranked_tree", "dynamic_tree"],
+}
+RULE_CELLS = [(rule, m) for rule, ms in RULE_METHODS.items() for m in ms]
+
+
+def _rule_check(models, rule, method, setting, n, seed=0, verifier=None):
+    target, close, far = models
+    make = None
+    if method == "vertical_2":
+        make = lambda: VerticalCascade([SmallLMDrafter(close, k=5), SmallLMDrafter(far, k=2)], verifier=rule)  # noqa: E731
+    return _check(models, method, setting, n, seed=seed, verifier=verifier or RULES[rule], drafter=make)
+
+
+@pytest.mark.parametrize("rule,method", RULE_CELLS)
+def test_block_and_traversal_are_lossless(rule, method, models):
+    setting = list(SETTINGS)[RULE_CELLS.index((rule, method)) % 3]
+    samples, p = _rule_check(models, rule, method, setting, N_FAST)
+    report = f"{rule}/{method}/{setting}: p={p:.2g}; {samples.depth_report()}"
+    assert samples.exercised(4, 20), "the test does not exercise deep drafts: " + report
+    assert p > LEVEL, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("rule,method", RULE_CELLS)
+def test_block_and_traversal_are_lossless_every_setting(rule, method, setting, models):
+    samples, p = _rule_check(models, rule, method, setting, N_SLOW, seed=1)
+    report = f"{rule}/{method}/{setting}: p={p:.2g}; {samples.depth_report()}"
+    assert samples.exercised(4, 20), "the test does not exercise deep drafts: " + report
+    assert p > LEVEL, report
+
+
+@pytest.mark.parametrize("broken,rule,method", [("block_weight_shift", "block", "chain_small_lm"),
+                                                ("traversal_stale", "traversal", "static_tree")])
+def test_broken_block_and_traversal_fail(broken, rule, method, models):
+    samples, p = _rule_check(models, rule, method, "temperature", N_FAST, verifier=VERIFIERS[broken])
+    assert p < LEVEL, f"{broken} passed: p={p:.2g}; {samples.depth_report()}"
+
+
+def test_rule_doubles_with_switches_off_are_the_real_rules():
+    """The broken doubles above differ from the real rules only by their switch: with it off they
+    draw the same results from the same generator."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(100):
+        parents = [-1, 0, 1, 2] if trial % 2 else [-1, -1, 0, 1, 1, 3]
+        n = len(parents)
+        p = torch.softmax(torch.randn(n + 1, 6, generator=gen, dtype=torch.float64) * 2, -1)
+        q = torch.softmax(torch.randn(n, 6, generator=gen, dtype=torch.float64) * 2, -1)
+        tokens = torch.multinomial(q, 1, generator=gen)[:, 0].tolist()
+        for rule, double in EXACT_DOUBLES.items():
+            if rule == "block" and trial % 2 == 0:
+                continue
+            a = RULES[rule].sampled(tokens, parents, q, p, torch.Generator().manual_seed(trial))
+            b = double.sampled(tokens, parents, q, p, torch.Generator().manual_seed(trial))
+            assert (a.path, a.next_token, a.judgements) == (b.path, b.next_token, b.judgements)

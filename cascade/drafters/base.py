@@ -48,6 +48,9 @@ class Drafter(ABC):
 
     # The target layer whose output hidden states this drafter needs (None: none).
     hidden_layer: int | None = None
+    # Whether its drafts may be token trees (else always chains): a chain-only verification
+    # rule (block verification) refuses such a drafter before decoding.
+    drafts_trees: bool = False
 
     def check_compatible(self, target: CausalLM) -> None:
         """Raise ValueError when this drafter cannot draft for ``target`` (e.g. vocabulary)."""

@@ -70,6 +70,10 @@ class TokenRecyclingDrafter(Drafter):
         self.table = torch.full((vocab_size, self.r), UNKNOWN, dtype=torch.long)
         self.probs = torch.zeros((vocab_size, self.r), dtype=torch.float32)
 
+    @property
+    def drafts_trees(self) -> bool:
+        return self.tree is not None
+
     def check_compatible(self, target: CausalLM) -> None:
         if self.table is None:
             self._allocate(target.vocab_size)
