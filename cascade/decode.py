@@ -174,6 +174,7 @@ def generate(
         t2 = _now(device)
         # 3. accept
         result = verifier.accept(block, logits, sampling, gen)
+        t_accepted = _now(device)
         # 4. commit: the cache keeps the sequence plus the accepted path (compacted in place)
         keep = commit(target, cache, past, result)
         accepted = [draft[i] for i in result.path]
@@ -192,7 +193,7 @@ def generate(
                 emitted=len(emitted), draft_tokens=draft, emitted_tokens=emitted,
                 target_argmax=logits.argmax(-1).tolist(), draft_time_s=t1 - t0, target_time_s=t2 - t1,
                 step_time_s=t3 - t0, parents=list(block.parents), accepted_path=list(result.path), stop=block.stop,
-                cascade=block.cascade, segments=block.segments, tree=block.tree,
+                cascade=block.cascade, segments=block.segments, tree=block.tree, accept_time_s=t_accepted - t2,
             )
         )
         bar.update(len(emitted))

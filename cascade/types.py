@@ -225,6 +225,7 @@ class StepRecord:
     cascade: CascadeStats | None = None
     segments: list[Segment] = field(default_factory=list)
     tree: TreeStats | None = None
+    accept_time_s: float = 0.0  # the acceptance rule's own time (step 3: p from the logits, judging, the draw)
 
     @property
     def overhead_time_s(self) -> float:

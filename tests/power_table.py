@@ -5,7 +5,7 @@ at the sample size CI uses (test_lossless_deep.N_FAST generations per test).
     python tests/power_table.py --seeds 20 --jobs 2
 
 Prints one row per (double, method): failures / seeds at the test's level, and the median
-p-value. Each seed is a different generator seed for the same models and reference.
+p-value. ``exact``, ``block`` and ``traversal`` rows run the real code (false alarms). Each seed is a different generator seed for the same models and reference.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from broken_doubles import VERIFIERS, FullQPrunedDrafter, MiddleResidualCascade 
 from cascade.drafters import SmallLMDrafter  # noqa: E402
 from deep_stats import LEVEL  # noqa: E402
 import test_lossless_deep as deep  # noqa: E402
+from cascade.verify import VERIFIERS as RULES  # noqa: E402
 
 CASES = [
     ("exact", "chain_small_lm"),
@@ -42,6 +43,11 @@ CASES = [
     ("sibling_vs_p", "tree_recycling"),
     ("exact", "chain_pruned_head"),
     ("full_q_pruned", "chain_pruned_head"),
+    # block and traversal verification (cascade.verify): the rules themselves, then a double of each
+    ("block", "chain_small_lm"),
+    ("traversal", "static_tree"),
+    ("block_weight_shift", "chain_small_lm"),
+    ("traversal_stale", "static_tree"),
 ]
 _models = None
 
@@ -62,7 +68,7 @@ def _pvalue(job: tuple[str, str, int, int]) -> tuple[str, str, int, float]:
         drafter = lambda: MiddleResidualCascade([SmallLMDrafter(close, k=5), SmallLMDrafter(far, k=2)])  # noqa: E731
     elif double == "full_q_pruned":
         drafter = lambda: FullQPrunedDrafter(deep.prune_head(close, deep.torch.tensor([0, 1, 2, 4])), close, k=5)  # noqa: E731
-    _, p = deep._check(_models, run_as, "temperature", n, seed=1000 + seed, verifier=VERIFIERS.get(double), drafter=drafter)
+    _, p = deep._check(_models, run_as, "temperature", n, seed=1000 + seed, verifier=VERIFIERS.get(double) or RULES.get(double), drafter=drafter)
     return double, method, seed, p
 
 

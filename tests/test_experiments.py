@@ -69,8 +69,10 @@ def test_every_benchmark_runs_its_methods_interleaved_with_tiny_models(name, tmp
     """A benchmark experiment runs >= 3 methods beside the baseline in one process and writes one
     summary with a row per method; under greedy decoding every method of cascade's own loop emits
     exactly the baseline's tokens (float32 tiny models; transformers' generate on a stock bf16
-    copy may round a near-tie differently, and says where)."""
-    cfg = _cfg(f"+experiment={name}", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
+    copy may round a near-tie differently, and says where). A benchmark that samples (bench/verify)
+    runs greedy here (temperature 0), where its methods must equal the baseline too; test_verify_rules_benchmark
+    runs it sampled."""
+    cfg = _cfg(f"+experiment={name}", "debug=tiny", f"output_dir={tmp_path}", "progress=false", "sampling=greedy", "sampling.temperature=0.0")
     summary = run_mod.run(cfg)
     assert len(summary.compared) >= 3 and set(summary.methods) == {"ar", *cfg.methods}
     steps = {json.loads(line)["method"] for line in (tmp_path / "steps.jsonl").read_text().splitlines()}
@@ -233,3 +235,50 @@ def test_resume_launches_only_incomplete_jobs(launcher, tmp_path):
 def test_resume_without_an_earlier_sweep_is_refused(tmp_path):
     result = _cli("-m", "+experiment=pld", "debug=tiny", "seed=1,2", "resume=true", cwd=tmp_path)
     assert result.returncode != 0 and "no earlier sweep" in result.stderr
+
+
+def test_verify_rules_benchmark_samples_with_each_methods_rule(tmp_path):
+    """bench/verify under its own sampling: each method's rule is the one it names (the run's
+    ``verify`` otherwise), and every method decodes every prompt."""
+    from cascade.verify import accept_block, accept_sampled, accept_traversal
+
+    cfg = _cfg("+experiment=bench/verify", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
+    rules = {n: run_mod.verify_rule(cfg, m) for n, m in run_mod.method_configs(cfg).items()}
+    assert rules == {"ar": "token", "chain_token": "token", "chain_block": "block", "reranked_token": "token",
+                     "reranked_traversal": "traversal", "dytc_token": "token", "dytc_traversal": "traversal"}
+    built = {n: run_mod.build_method(m, rules[n]) for n, m in run_mod.method_configs(cfg).items()}
+    assert built["chain_block"].verifier.sampled is accept_block
+    assert built["dytc_traversal"].verifier.sampled is accept_traversal
+    assert built["chain_token"].verifier.sampled is accept_sampled
+    summary = run_mod.run(cfg)
+    assert not summary.methods["chain_block"].drafter.kind.startswith("tree")
+    for name, m in summary.compared.items():  # every prompt decoded (EOS may end one early)
+        assert len(m.tokens) == len(summary.methods["ar"].tokens) and all(1 <= len(t) <= cfg.dataset.max_new_tokens
+                                                                for t in m.tokens.values()), name
+
+
+def test_a_cascades_inner_rounds_follow_its_methods_rule():
+    from hydra.utils import instantiate
+
+    from cascade.verify import accept_block, accept_traversal
+
+    cfg = _cfg("+experiment=csd_three_level", "debug=tiny", "verify=block")
+    cascade_drafter = instantiate(cfg.method.drafter)
+    assert cascade_drafter.verifier.sampled is accept_block
+    assert cascade_drafter.lower.verifier.sampled is accept_block  # the nested level
+    cfg = _cfg("+experiment=bench/cascade", "debug=tiny", "verify=block", "methods.csd.verify=traversal")
+    assert instantiate(cfg.methods.csd.drafter).verifier.sampled is accept_traversal
+    assert instantiate(cfg.methods.csd_three.drafter).verifier.sampled is accept_block
+
+
+def test_unknown_verification_rule_is_refused_before_loading(no_model_loading, tmp_path):
+    cfg = _cfg("+experiment=sps", "verify=blockwise", f"output_dir={tmp_path}")
+    with pytest.raises(run_mod.ConfigError, match="unknown verification rule 'blockwise'"):
+        run_mod.run(cfg)
+
+
+def test_block_verification_refuses_a_tree_method(tmp_path):
+    cfg = _cfg("+experiment=static_tree", "debug=tiny", "sampling=sample", "verify=block", f"output_dir={tmp_path}",
+               "progress=false")
+    with pytest.raises(ValueError, match="drafts token trees.*verify=traversal"):
+        run_mod.run(cfg)
