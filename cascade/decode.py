@@ -4,7 +4,7 @@ Cache invariant: before each step the target's KV cache holds every token of the
 the last one. A step feeds ``[last] + draft`` (n+1 tokens) in one forward and gets the target's
 distributions at ``last`` and at every drafted node (a token tree gets tree positions and a
 tree-attention mask; a chain is the tree ``[-1, 0, 1, ...]`` and needs neither). The verifier
-(``cascade.verify``) judges the draft, the cache keeps the accepted path (``verify.commit``), and
+(``cascade.verify``) judges the draft, the cache keeps the accepted path (``Verifier.commit``), and
 the recovered/bonus token becomes the new ``last``. The autoregressive baseline is the same loop
 with an empty draft, so both share every line of code but the drafter calls.
 """
@@ -23,7 +23,7 @@ from cascade.models.lm import CausalLM
 from cascade.sampling import make_generator
 from cascade.summary import RunStats
 from cascade.types import DraftBlock, SamplingConfig, Scored, StepRecord
-from cascade.verify import EXACT, Verifier, commit, verifier_named
+from cascade.verify import EXACT, Verifier, verifier_named
 
 
 @dataclass
@@ -176,7 +176,7 @@ def generate(
         result = verifier.accept(block, logits, sampling, gen)
         t_accepted = _now(device)
         # 4. commit: the cache keeps the sequence plus the accepted path (compacted in place)
-        keep = commit(target, cache, past, result)
+        keep = verifier.commit(target, cache, past, result)
         accepted = [draft[i] for i in result.path]
         emitted, hit_eos = _cut(accepted + [result.next_token], eos, max_new_tokens - len(new))
         seq += emitted

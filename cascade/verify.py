@@ -77,8 +77,8 @@ compare).
 :class:`Verifier` bundles a greedy and a sampled rule; :func:`verifier_named` gives the one a
 config names (``verify=token|block|traversal``); ``cascade.generate(..., verifier=...)`` and
 ``VerticalCascade(..., verifier=...)`` take one, which is how the tests run deliberately broken
-rules through the real loop; ``Verifier.forward`` is the verification forward. :func:`commit`
-keeps the accepted path in the target's cache.
+rules through the real loop; ``Verifier.forward`` is the verification forward and
+``Verifier.commit`` keeps the accepted path in the target's cache.
 """
 
 from __future__ import annotations
@@ -336,18 +336,26 @@ def expected_accepted(rule: str, tokens: list[int], parents: list[int], q: torch
     return reach_sum(0, 1.0)
 
 
+def committed_inputs(result: VerifyResult) -> list[int]:
+    """Indices into [root] + nodes of the inputs the cache keeps: the root and the accepted path."""
+    return [0] + [i + 1 for i in result.path]
+
+
 @dataclass(frozen=True)
 class Verifier:
     """How a draft is shown to the target and judged: ``inputs(parents, past, dtype)`` (tree
     positions and mask, ``cascade.tree.tree_inputs``), and the acceptance rules
     ``greedy(tokens, parents, argmax)`` and ``sampled(tokens, parents, q, p, generator)``.
-    Replace one to study (or test) another rule. ``trees``: whether the sampled rule judges token
-    trees (block verification judges chains only; ``generate`` refuses it a tree drafter)."""
+    Replace one to study (or test) another rule. ``kept(result)``: the inputs the target's cache
+    keeps after the forward (:func:`committed_inputs`), applied by :meth:`commit`. ``trees``:
+    whether the sampled rule judges token trees (block verification judges chains only;
+    ``generate`` refuses it a tree drafter)."""
 
     greedy: Callable[..., VerifyResult] = accept_greedy
     sampled: Callable[..., VerifyResult] = accept_sampled
     inputs: Callable[..., tuple] = tree_inputs
     trees: bool = True
+    kept: Callable[[VerifyResult], list[int]] = committed_inputs
 
     def forward(self, target: CausalLM, cache, last: int, block: DraftBlock, return_hidden: int | None = None):
         """One target forward over ``[last] + block.tokens`` on top of ``cache`` (which holds the
@@ -371,6 +379,15 @@ class Verifier:
         q = None if block.q is None else block.q.to(p.device)
         return self.sampled(tokens, block.parents, q, p, generator)
 
+    def commit(self, target: CausalLM, cache, past: int, result: VerifyResult) -> list[int]:
+        """After the verification forward, keep the ``past`` committed positions plus the inputs
+        ``kept(result)`` (the root and the accepted path) in ``cache``, compacted in place (a
+        chain's is a crop). Returns the kept input indices (to select, e.g., hidden states of the
+        committed positions)."""
+        keep = self.kept(result)
+        target.compact(cache, past, keep)
+        return keep
+
 
 EXACT = Verifier()
 
@@ -389,17 +406,3 @@ def verifier_named(name: "str | Verifier") -> Verifier:
     if name not in VERIFIERS:
         raise ValueError(f"unknown verification rule {name!r}: one of {', '.join(VERIFIERS)}")
     return VERIFIERS[name]
-
-
-def committed_inputs(result: VerifyResult) -> list[int]:
-    """Indices into [root] + nodes of the inputs the cache keeps: the root and the accepted path."""
-    return [0] + [i + 1 for i in result.path]
-
-
-def commit(target: CausalLM, cache, past: int, result: VerifyResult) -> list[int]:
-    """After a verification forward, keep the ``past`` committed positions plus the root and the
-    accepted path in ``cache`` (compacted in place; a chain's is a crop). Returns the kept input
-    indices (to select, e.g., hidden states of the committed positions)."""
-    keep = committed_inputs(result)
-    target.compact(cache, past, keep)
-    return keep

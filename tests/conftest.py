@@ -1,9 +1,17 @@
+import os
+
 import pytest
 import torch
 
 from cascade.models import perturbed_copy, tiny_llama
 
-torch.set_num_threads(2)
+# Under pytest-xdist every worker is a process of its own: one torch thread each (and in the
+# subprocesses tests start), so that two workers on two cores do not oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +30,12 @@ def tiny_close_drafter(tiny_target):
 def tiny_far_drafter():
     """An unrelated random model with the same vocabulary: mostly rejected."""
     return tiny_llama(vocab_size=32, seed=7)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_xdist_worker():
+    """A test that sets torch's threads (``cascade.run`` takes ``threads`` from its config) does
+    not leave them for the worker's next tests."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)

@@ -13,18 +13,22 @@ accept, stop-policy decisions at every position). It records how deep each step'
 went, so a test can show (and its failure message report) that multi-token accepts and
 rejections at every depth happen.
 
+It also counts, per depth, the events a tree or a leaf produces: a sibling judged after an
+earlier sibling of the same node was rejected, and a bonus token drawn below a leaf.
+
 Statistic. Chi-square tests of the samples against the reference's exact marginals: each
-position's token alone (L tests: the most sensitive to a wrong recovered or bonus token) and the
-consecutive pairs (x1, x2), (x3, x4), ... (dependence along the output); cells with expected
-count < 5 pooled, a count in a zero-probability cell gives p = 0. The test fails when the
-smallest p-value times the number of tests (Bonferroni) is below ``LEVEL``. Seeds are fixed, so
-each test's outcome is deterministic.
+position's token alone (L tests: the most sensitive to a wrong recovered or bonus token), every
+sliding pair (x1, x2), (x2, x3), ... and every sliding triple (x1, x2, x3), ... (dependence along
+the output, across step boundaries wherever they fall); cells with expected count < 5 pooled, a
+count in a zero-probability cell gives p = 0. The test fails when the smallest p-value times the
+number of tests (Bonferroni, L + (L - 1) + (L - 2)) is below ``LEVEL``. Seeds are fixed, so each
+test's outcome is deterministic.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +40,7 @@ from transformers.generation.logits_process import (
 )
 
 from cascade import generate
+from cascade.tree import children_of
 from stat_utils import chi_square_pvalue as _chi2
 
 LEVEL = 1e-3  # family-wise false-alarm level of one test (over its pairs)
@@ -63,9 +68,9 @@ def exact_law(hf_model, prompt: list[int], length: int, temperature: float, top_
     for depth in range(length):
         nxt = []
         for prefix, mass in frontier:
-            ids = torch.tensor([prompt + list(prefix)])
+            ids = torch.tensor([prompt + list(prefix)], device=hf_model.device)
             logits = hf_model(input_ids=ids).logits[:, -1].double()  # [1, V]
-            probs = torch.softmax(warpers(ids, logits), dim=-1)[0].numpy()
+            probs = torch.softmax(warpers(ids, logits), dim=-1)[0].cpu().numpy()
             for x in np.flatnonzero(probs > 0):
                 nxt.append((prefix + (int(x),), mass * float(probs[x])))
         frontier = nxt
@@ -78,6 +83,7 @@ def exact_law(hf_model, prompt: list[int], length: int, temperature: float, top_
 class Samples:
     outputs: np.ndarray  # [n, L] generated tokens
     depth_counts: dict[tuple[int, bool], int]  # (depth reached, rejected there) over all verified steps
+    events: Counter = field(default_factory=Counter)  # ("sibling" | "bonus", depth) -> steps with one
 
     def _by_depth(self) -> tuple[Counter, Counter]:
         """Judgements per depth: accepted nodes, rejections (a step that accepted d nodes and
@@ -91,9 +97,18 @@ class Samples:
         return acc, rej
 
     def depth_report(self) -> str:
-        """How often the verifier accepted / rejected at each draft depth (for failure messages)."""
+        """How often the verifier accepted / rejected at each draft depth, and the sibling and
+        bonus events per depth (for failure messages)."""
         acc, rej = self._by_depth()
-        return "depth: accepted/rejected " + ", ".join(f"{d}: {acc[d]}/{rej[d]}" for d in sorted(set(acc) | set(rej)))
+        out = "depth: accepted/rejected " + ", ".join(f"{d}: {acc[d]}/{rej[d]}" for d in sorted(set(acc) | set(rej)))
+        for kind in ("sibling", "bonus"):
+            at = {d: n for (k, d), n in sorted(self.events.items()) if k == kind}
+            out += f"; {kind} events by depth " + (", ".join(f"{d}: {n}" for d, n in at.items()) or "none")
+        return out
+
+    def event_count(self, kind: str, depth: int | None = None) -> int:
+        """Steps with a ``kind`` event ("sibling", "bonus") at ``depth`` (None: any depth)."""
+        return sum(n for (k, d), n in self.events.items() if k == kind and (depth is None or d == depth))
 
     def exercised(self, depth: int, at_least: int) -> bool:
         """Accepts and rejections both happened at least ``at_least`` times at every depth 1..depth."""
@@ -109,6 +124,7 @@ def sample_outputs(target, make_drafter, prompt: list[int], length: int, n: int,
     gen = torch.Generator().manual_seed(seed)
     outputs = np.zeros((n, length), dtype=np.int64)
     depths: Counter = Counter()
+    events: Counter = Counter()
     extra = {} if verifier is None else {"verifier": verifier}
     for i in range(n):
         out = generate(target, prompt, drafter=drafter, max_new_tokens=length, generator=gen, stop_on_eos=False,
@@ -119,17 +135,33 @@ def sample_outputs(target, make_drafter, prompt: list[int], length: int, n: int,
                 # rejected: the accepted path ends at a node that has children (not at a leaf)
                 rejected = ([-1] + s.accepted_path)[-1] in set(s.parents)
                 depths[(s.accepted, rejected)] += 1
-    return Samples(outputs, dict(depths))
+                _count_events(s.parents, s.accepted_path, events)
+    return Samples(outputs, dict(depths), events)
 
 
-def pair_pvalues(samples: Samples, law: np.ndarray) -> list[float]:
-    """One chi-square p-value per consecutive pair of positions (x1, x2), (x3, x4), ..."""
+def _count_events(parents: list[int], path: list[int], events: Counter) -> None:
+    """Sibling events (a node on the path, or the root, whose children were judged beyond the
+    first: the accepted one is not its first child, or all of >= 2 were rejected) at the
+    children's depth, and a bonus event at the leaf's depth when the path ends at a leaf."""
+    kids = children_of(parents)
+    inputs = [0] + [i + 1 for i in path]
+    for depth, (j, nxt) in enumerate(zip(inputs, path + [None]), start=1):
+        judged = kids[j].index(nxt) + 1 if nxt is not None else len(kids[j])
+        if judged >= 2:
+            events[("sibling", depth)] += 1
+    if not kids[inputs[-1]]:
+        events[("bonus", len(path))] += 1
+
+
+def joint_pvalues(samples: Samples, law: np.ndarray, width: int) -> list[float]:
+    """One chi-square p-value per sliding window of ``width`` positions (x1..x_w), (x2..x_{w+1}), ..."""
     length, vocab = law.ndim, law.shape[0]
     pvals = []
-    for a in range(0, length - 1, 2):
-        marginal = law.sum(axis=tuple(i for i in range(length) if i not in (a, a + 1)))  # [V, V]
-        counts = np.zeros((vocab, vocab))
-        np.add.at(counts, (samples.outputs[:, a], samples.outputs[:, a + 1]), 1)
+    for a in range(length - width + 1):
+        window = tuple(range(a, a + width))
+        marginal = law.sum(axis=tuple(i for i in range(length) if i not in window))  # [V] * width
+        counts = np.zeros((vocab,) * width)
+        np.add.at(counts, tuple(samples.outputs[:, i] for i in window), 1)
         pvals.append(_chi2(counts, marginal))
     return pvals
 
@@ -145,6 +177,6 @@ def position_pvalues(samples: Samples, law: np.ndarray) -> list[float]:
 
 
 def lossless_pvalue(samples: Samples, law: np.ndarray) -> float:
-    """Bonferroni-combined p-value over the positions and the pairs."""
-    pvals = position_pvalues(samples, law) + pair_pvalues(samples, law)
+    """Bonferroni-combined p-value over the positions, the sliding pairs and the sliding triples."""
+    pvals = position_pvalues(samples, law) + joint_pvalues(samples, law, 2) + joint_pvalues(samples, law, 3)
     return min(1.0, min(pvals) * len(pvals))

@@ -48,6 +48,12 @@ CASES = [
     ("traversal", "static_tree"),
     ("block_weight_shift", "chain_small_lm"),
     ("traversal_stale", "static_tree"),
+    # doubles visible only under warping, tree-sibling and commit doubles (each at the method and
+    # setting test_lossless_deep.WARPED_AND_TREE_DOUBLES names), and the exact code there
+    ("exact", "chain_small_lm/cold"),
+    ("exact", "chain_small_lm/top_k"),
+    ("exact", "chain_small_lm/top_p"),
+    *[(d, "/".join(ms)) for d, ms in deep.WARPED_AND_TREE_DOUBLES.items()],
 ]
 _models = None
 
@@ -59,6 +65,13 @@ def _pvalue(job: tuple[str, str, int, int]) -> tuple[str, str, int, float]:
         target = deep.damped()
         _models = (target, deep.perturbed_copy(target, 0.35, seed=3), deep.perturbed_copy(target, 0.6, seed=4))
     target, close, far = _models
+    if double in deep.WARPED_AND_TREE_DOUBLES:
+        _, p = deep._broken(_models, double, n, seed=1000 + seed)
+        return double, method, seed, p
+    if "/" in method:  # the exact code at a method/setting
+        run_as, setting = method.split("/")
+        _, p = deep._check(_models, run_as, setting, n, seed=1000 + seed)
+        return double, method, seed, p
     drafter = None
     run_as = method
     if method == "far_chain":  # the small-LM chain with the far drafter (rejections at depth 1: ~50%)
@@ -79,19 +92,22 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", choices=["exact", "broken"], help="only the exact code, or only the broken doubles")
     ap.add_argument("--methods", default="", help="comma-separated subset of methods (default: every case)")
+    ap.add_argument("--doubles", default="", help="comma-separated subset of doubles ('exact' included; default: every case)")
     args = ap.parse_args()
     cases = [c for c in CASES if args.only is None or (c[0] == "exact") == (args.only == "exact")]
     if args.methods:
         cases = [c for c in cases if c[1] in args.methods.split(",")]
+    if args.doubles:
+        cases = [c for c in cases if c[0] in args.doubles.split(",")]
     jobs = [(d, m, s, args.n) for d, m in cases for s in range(args.seeds)]
     with Pool(args.jobs) as pool:
         results = pool.map(_pvalue, jobs, chunksize=1)
     print(f"{args.seeds} seeds, {args.n} generations of {deep.L} tokens per test, level {LEVEL}")
-    print(f"{'double':18s} {'method':16s} {'failed':>8s} {'median p':>10s}")
+    print(f"{'double':18s} {'method':26s} {'failed':>8s} {'median p':>10s}")
     for d, m in cases:
         ps = [p for dd, mm, _, p in results if (dd, mm) == (d, m)]
         fails = sum(p < LEVEL for p in ps)
-        print(f"{d:18s} {m:16s} {fails:>4d}/{len(ps):<3d} {statistics.median(ps):10.2g}")
+        print(f"{d:18s} {m:26s} {fails:>4d}/{len(ps):<3d} {statistics.median(ps):10.2g}")
 
 
 if __name__ == "__main__":

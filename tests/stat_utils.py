@@ -11,7 +11,6 @@ import torch
 from scipy.stats import chisquare
 
 from cascade import generate
-from cascade.sampling import logits_to_probs
 from cascade.types import SamplingConfig
 from cascade.verify import EXACT, Verifier
 
@@ -19,14 +18,12 @@ LEVEL = 1e-3
 
 
 def exact_joint(target, cfg: SamplingConfig, prompt: list[int]) -> np.ndarray:
-    V = target.vocab_size
-    p1 = logits_to_probs(target.forward(prompt, target.new_cache())[-1], cfg)
-    joint = np.zeros((V, V))
-    for x1 in range(V):
-        if p1[x1] > 0:
-            p2 = logits_to_probs(target.forward(prompt + [x1], target.new_cache())[-1], cfg)
-            joint[x1] = (p1[x1] * p2).numpy()
-    return joint
+    """[V, V] the target's exact law of its first two sampled tokens, from the deep harness's
+    independent reference (the Hugging Face module's own uncached forward and transformers'
+    warpers; never ``cascade.sampling`` or ``CausalLM.forward``)."""
+    from deep_stats import exact_law  # (deep_stats imports this module's chi-square)
+
+    return exact_law(target.model, prompt, 2, cfg.temperature, cfg.top_k, cfg.top_p)
 
 
 def empirical_counts(target, drafter, cfg: SamplingConfig, prompt: list[int], n: int, seed: int = 1234,

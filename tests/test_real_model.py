@@ -89,3 +89,65 @@ def test_fp16w_backend_matches_transformers_generate_on_the_same_weights(smollm,
             divergences.append((prompt.id, j, stock.top2_gap(ids + theirs[:j])))
     print(f"fp16w vs transformers fp32: divergences {divergences or 'none'}")
     assert all(gap < 1e-2 for _, _, gap in divergences), divergences
+
+
+def _hf_greedy(lm, ids, n):
+    import torch
+
+    inp = torch.tensor([ids])
+    return lm.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)[0, len(ids):].tolist()
+
+
+def _speculative_makers(drafter_lm):
+    from cascade.cascades import VerticalCascade
+    from cascade.tree_drafter import TreeDrafter
+    from cascade.trees import DynamicTreePolicy, StaticTreePolicy
+
+    return {
+        "chain": lambda: SmallLMDrafter(drafter_lm, k=4),
+        "vertical_cascade": lambda: VerticalCascade([SmallLMDrafter(drafter_lm, k=6), NGramDrafter(k=3, max_ngram=2)]),
+        "static_tree": lambda: TreeDrafter([SmallLMDrafter(drafter_lm)], StaticTreePolicy((2, 2, 1, 1))),
+        "dytc": lambda: TreeDrafter([SmallLMDrafter(drafter_lm), NGramDrafter(k=1)],
+                                    DynamicTreePolicy(t_min=0.05, max_nodes=16, max_depth=6, max_rank=2,
+                                                      prior_drafter_cost=0.05, measure_costs=False)),
+    }
+
+
+def _compare_with_transformers(target, make, n=24):
+    """(divergences as (prompt, position, top-2 gap), accepted draft tokens) of cascade's greedy
+    speculative output against transformers' generate on the target's own module."""
+    divergences, accepted = [], 0
+    for prompt in BUILTIN:
+        ids = encode_prompt(target, prompt.text)
+        out = generate(target, ids, drafter=make(), max_new_tokens=n)
+        accepted += sum(s.accepted for s in out.steps)
+        theirs = _hf_greedy(target, ids, n)
+        if out.tokens != theirs:
+            j = next((j for j, (a, b) in enumerate(zip(out.tokens, theirs)) if a != b), min(len(out.tokens), len(theirs)))
+            divergences.append((prompt.id, j, target.top2_gap(ids + theirs[:j])))
+    return divergences, accepted
+
+
+@pytest.mark.parametrize("kind", ["chain", "vertical_cascade", "static_tree", "dytc"])
+def test_speculative_methods_match_transformers_generate(smollm, kind):
+    """A chain, a vertical cascade, a static tree and DyTC on SmolLM2 (float32 target, bf16 copy
+    drafting): greedy output equals transformers' own generate on the same module, except at
+    near-ties (top-2 logit gap < 1e-3, printed)."""
+    target, drafter_lm = smollm
+    divergences, accepted = _compare_with_transformers(target, _speculative_makers(drafter_lm)[kind])
+    print(f"{kind} vs transformers' generate: divergences (prompt, position, top-2 gap) {divergences or 'none'}")
+    assert all(gap < 1e-3 for _, _, gap in divergences), divergences
+    assert accepted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["chain", "vertical_cascade", "static_tree", "dytc"])
+def test_qwen_pair_matches_transformers_generate(kind):
+    """The same on the Qwen2.5-Coder pair (1.5B target in float32, 0.5B drafting in bf16)."""
+    target = load_model("qwen2.5-coder-1.5b", dtype="float32", device="cpu")
+    small = load_model("qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu")
+    divergences, accepted = _compare_with_transformers(target, _speculative_makers(small)[kind], n=32)
+    print(f"qwen {kind} vs transformers' generate: divergences {divergences or 'none'}")
+    assert all(gap < 1e-3 for _, _, gap in divergences), divergences
+    assert accepted > 0

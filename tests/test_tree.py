@@ -394,3 +394,23 @@ def test_tree_mask_double_is_caught_by_greedy_equality(tiny_target, tiny_close_d
         assert good.tokens == ar.tokens
         differ += bad.tokens != ar.tokens
     assert differ >= 3, differ
+
+
+def test_commit_off_by_one_double_is_caught_by_greedy_equality(tiny_target, tiny_close_drafter):
+    """The target's cache keeping a chain's inputs after a path through a later branch
+    (tests/broken_doubles.py ``commit_off_by_one``, through ``Verifier.kept``) corrupts later
+    steps' keys; greedy equality on float64 models catches it where the chi-square test at CI's
+    size does not."""
+    from broken_doubles import VERIFIERS
+
+    drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter)], StaticTreePolicy((2, 2, 1, 1)))
+    differ = 0
+    for seed in range(6):
+        prompt = [seed, 3, 1, 4, 1, 5]
+        ar = generate(tiny_target, prompt, max_new_tokens=24, stop_on_eos=False)
+        good = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
+        bad = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False,
+                       verifier=VERIFIERS["commit_off_by_one"])
+        assert good.tokens == ar.tokens
+        differ += bad.tokens != ar.tokens
+    assert differ >= 3, differ

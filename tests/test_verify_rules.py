@@ -313,3 +313,20 @@ def test_block_refuses_a_tree_and_names_are_checked():
         verifier_named("blockwise")
     assert verifier_named("token").sampled is accept_sampled
     assert set(VERIFIERS) == {"token", "block", "traversal"}
+
+
+def test_deterministic_drafts_gain_nothing():
+    """With one-hot q (argmax drafts, prompt lookup, ranked tree children) block and traversal
+    keep exactly what the token-wise rule keeps, in expectation and in law: on a chain
+    w_j = p_0(x_1) ... p_{j-1}(x_j) and the h_j telescope to the token-wise stopping law."""
+    gen = torch.Generator().manual_seed(5)
+    for parents in (chain_parents(5), [-1, -1, 0, 0, 1, 3]):
+        for _ in range(20):
+            tokens, _, p = _random_case(gen, 6, parents, deterministic=True)
+            token = expected_accepted("token", tokens, parents, None, p)
+            assert expected_accepted("traversal", tokens, parents, None, p) == pytest.approx(token, abs=1e-12)
+            want = {e: m for e, m, _ in recursive_rejection_law(tokens, parents, torch.nn.functional.one_hot(
+                torch.tensor(tokens), 6).double(), p)}
+            plan = traversal_plan(tokens, parents, None, p)
+            for end, mass in zip(plan.order, plan.end_probabilities()):
+                assert mass == pytest.approx(want[end], abs=1e-12)

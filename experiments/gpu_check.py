@@ -1,0 +1,199 @@
+"""One-command device check: what must hold on a CUDA machine, written as one markdown report.
+
+Steps (each timed; a failing step is reported and the others still run; exit status 1 if any failed):
+
+1. greedy equality against transformers' own ``generate`` on the same weights: the target alone,
+   a small-LM chain, a two-level vertical cascade and a DyTC tree (tree-attention mask on the
+   device); a divergence is reported with the target's top-2 logit gap there and passes only
+   at a near-tie;
+2. the deep chi-square test (tests/deep_stats.py) for three methods (chain, static tree,
+   vertical cascade) with the tiny float64 models on the device;
+3. a quantized drafter: NF4 through bitsandbytes on CUDA (int8 dynamic on CPU), drafting for the
+   target under greedy equality;
+4. forward cost: the target's forward time at 1, 4, 16 and 32 inputs;
+5. the main job, ``python -m cascade.run +experiment=csd_two_level``.
+
+Default: the Qwen2.5-Coder pair in bf16 on CUDA (``models.device=cuda``). ``--tiny``: the same
+steps with tiny random models on the CPU in float32 (what the default test suite runs, so the
+script cannot rot), in about a minute.
+
+    bash scripts/gpu_check.sh [--tiny] [--out REPORT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the deep chi-square harness
+
+from cascade import generate, load_model  # noqa: E402
+from cascade.cascades import VerticalCascade  # noqa: E402
+from cascade.data import BUILTIN, encode_prompt  # noqa: E402
+from cascade.drafters import NGramDrafter, QuantizedLMDrafter, SmallLMDrafter  # noqa: E402
+from cascade.tree_drafter import TreeDrafter  # noqa: E402
+from cascade.trees import DynamicTreePolicy, StaticTreePolicy  # noqa: E402
+
+NEAR_TIE = {"bfloat16": 0.25, "float32": 1e-3}  # top-2 logit gap a divergence may show (bf16 rounds logits coarsely)
+
+
+class Report:
+    def __init__(self, title: str) -> None:
+        self.lines = [f"# {title}", ""]
+        self.failed: list[str] = []
+
+    def step(self, name: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            body, ok = fn()
+        except Exception:  # a crashing step is a failed step, and the others still run
+            body, ok = "```\n" + traceback.format_exc()[-3000:] + "```", False
+        status = "passed" if ok else "FAILED"
+        if not ok:
+            self.failed.append(name)
+        self.lines += [f"## {name}: {status} ({time.perf_counter() - t0:.0f} s)", "", body, ""]
+        print(f"{name}: {status}", flush=True)
+
+
+def first_divergence(target, ids, ours, theirs):
+    if ours == theirs:
+        return None
+    j = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return j, target.top2_gap(ids + theirs[:j])
+
+
+def hf_greedy(target, ids, n):
+    inp = torch.tensor([ids], device=target.device)
+    out = target.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
+                                pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def greedy_equality(target, drafters: dict, prompts, n: int, dtype: str):
+    rows, ok = ["| method | prompts | identical | divergences (prompt, position, top-2 gap) | accepted |",
+                "| --- | --- | --- | --- | --- |"], True
+    reference = {p: hf_greedy(target, ids, n) for p, ids in prompts.items()}
+    for name, make in drafters.items():
+        same, divergences, accepted = 0, [], 0
+        for p, ids in prompts.items():
+            out = generate(target, ids, drafter=make() if make else None, max_new_tokens=n)
+            accepted += sum(s.accepted for s in out.steps)
+            d = first_divergence(target, ids, out.tokens, reference[p])
+            if d is None:
+                same += 1
+            else:
+                divergences.append((p, d[0], round(d[1], 4)))
+                ok &= d[1] < NEAR_TIE[dtype]
+        rows.append(f"| {name} | {len(prompts)} | {same} | {divergences or 'none'} | {accepted} |")
+    return "\n".join(rows), ok
+
+
+def deep_chi_square(device: str, n: int):
+    import test_lossless_deep as deep
+    from deep_stats import LEVEL
+
+    target = deep.damped(device=device)
+    models = (target, deep.perturbed_copy(target, 0.35, seed=3), deep.perturbed_copy(target, 0.6, seed=4))
+    makes = {
+        "chain_small_lm": lambda: SmallLMDrafter(models[1], k=5),
+        "static_tree": lambda: TreeDrafter([SmallLMDrafter(models[1])], StaticTreePolicy((2, 2, 1, 1))),
+        "vertical_2": lambda: VerticalCascade([SmallLMDrafter(models[1], k=5), SmallLMDrafter(models[2], k=2)]),
+    }
+    rows, ok = [f"| method | setting | generations | p | depths |", "| --- | --- | --- | --- | --- |"], True
+    for (name, make), setting in zip(makes.items(), ("temperature", "top_k", "top_p")):
+        samples, p = deep._check(models, name, setting, n, drafter=make)
+        exercised = samples.exercised(4, 20)
+        ok &= p > LEVEL and exercised
+        rows.append(f"| {name} | {setting} | {n} | {p:.3g} | {samples.depth_report()} |")
+    return "\n".join(rows), ok
+
+
+def forward_cost(target, ks=(1, 4, 16, 32), repeats: int = 5):
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    cache = target.new_cache()
+    target.forward(list(range(1, 65)), cache)  # a 64-token context
+    past = target.cache_len(cache)
+    times = {}
+    for k in ks:
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            target.forward(list(range(1, k + 1)), cache)
+            sync()
+            best = min(best, time.perf_counter() - t0)
+            target.crop(cache, past)
+        times[k] = best
+    rows = ["| inputs | ms (fastest of %d) | ratio to 1 |" % repeats, "| --- | --- | --- |"]
+    rows += [f"| {k} | {1000 * t:.1f} | {t / times[1]:.2f} |" for k, t in times.items()]
+    return "\n".join(rows), all(t > 0 for t in times.values())
+
+
+def main_job(tiny: bool, device: str, run_dir: Path):
+    args = [sys.executable, "-m", "cascade.run", "+experiment=csd_two_level", "progress=false", "overwrite=true",
+            f"hydra.run.dir={run_dir}"]
+    args += ["debug=tiny"] if tiny else ["models.device=" + device, "models.dtype=bfloat16", "models.drafter_dtype=bfloat16"]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    table = [ln for ln in proc.stdout.splitlines() if ln.strip()][-6:]
+    body = "```\n" + ("\n".join(table) if proc.returncode == 0 else proc.stderr[-3000:]) + "\n```"
+    return body, proc.returncode == 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the suite's check of this script)")
+    ap.add_argument("--out", default=None, help="the report (default: docs/gpu_check.md, or outputs/gpu_check_tiny.md)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per greedy generation (default 48; tiny: 12)")
+    args = ap.parse_args()
+    tiny = args.tiny
+    if not tiny and not torch.cuda.is_available():
+        print("no CUDA device: run with --tiny for the CPU check", file=sys.stderr)
+        return 2
+    device, dtype = ("cpu", "float32") if tiny else ("cuda", "bfloat16")
+    out = Path(args.out or (ROOT / ("outputs/gpu_check_tiny.md" if tiny else "docs/gpu_check.md")))
+    n = args.tokens or (12 if tiny else 48)
+    torch.set_num_threads(2 if tiny else torch.get_num_threads())
+    target = load_model("tiny:0" if tiny else "qwen2.5-coder-1.5b", dtype=dtype, device=device)
+    small = load_model("tiny:1" if tiny else "qwen2.5-coder-0.5b", dtype=dtype, device=device)
+    # tiny models are random: the target drafts for itself so that drafts are accepted
+    drafter_lm = target if tiny else small
+    prompts = {p.id: encode_prompt(target, p.text) for p in BUILTIN[: 2 if tiny else 4]}
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not tiny else "none (CPU)"
+    report = Report("Device check" + (" (tiny models, CPU)" if tiny else ""))
+    report.lines += [f"Command: `bash scripts/gpu_check.sh{' --tiny' if tiny else ''}`; commit {commit}; "
+                     f"device {gpu}; torch {torch.__version__}; python {platform.python_version()}; {dtype}.", ""]
+    drafters = {
+        "autoregressive": None,
+        "chain (small LM, k 4)": lambda: SmallLMDrafter(drafter_lm, k=4),
+        "vertical cascade (small LM <- prompt lookup)": lambda: VerticalCascade([SmallLMDrafter(drafter_lm, k=6), NGramDrafter(k=3)]),
+        "DyTC tree (small LM + prompt lookup)": lambda: TreeDrafter(
+            [SmallLMDrafter(drafter_lm), NGramDrafter(k=1)],
+            DynamicTreePolicy(t_min=0.02, max_nodes=16, max_depth=5, max_rank=2, prior_drafter_cost=0.05,
+                              measure_costs=False)),
+    }
+    report.step("1. greedy equality with transformers' generate", lambda: greedy_equality(target, drafters, prompts, n, dtype))
+    report.step("2. deep chi-square on the device", lambda: deep_chi_square(device, 400 if tiny else 1000))
+    quant = "int8_dynamic" if tiny else "nf4"
+    report.step(f"3. quantized drafter ({quant})", lambda: greedy_equality(
+        target, {f"{quant} chain": lambda: QuantizedLMDrafter(drafter_lm, quant, k=4)}, prompts, n, dtype))
+    report.step(f"4. forward cost ({dtype})", lambda: forward_cost(target))
+    report.step("5. the main job", lambda: main_job(tiny, device, out.parent / (out.stem + "_run")))
+    report.lines += ["Failed: " + (", ".join(report.failed) if report.failed else "none"), ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(report.lines))
+    print(f"report: {out}")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
