@@ -92,9 +92,9 @@ def validate(cfg: DictConfig) -> SamplingConfig:
     for name, mcfg in method_configs(cfg).items():
         if mcfg.get("drafter") is not None and mcfg.get("generate") is not None:
             raise ConfigError(f"method {name!r} sets both drafter and generate; a method is one or the other")
-        if verify_rule(cfg, mcfg) not in VERIFIERS:
-            raise ConfigError(f"method {name!r}: unknown verification rule {verify_rule(cfg, mcfg)!r} "
-                              f"(verify= one of {', '.join(VERIFIERS)})")
+        rule = verify_rule(cfg, mcfg)
+        if rule not in VERIFIERS:
+            raise ConfigError(f"method {name!r}: unknown verification rule {rule!r} (verify= one of {', '.join(VERIFIERS)})")
         for target in _targets(OmegaConf.to_container(mcfg, resolve=False)):
             try:
                 get_object(target)

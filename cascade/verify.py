@@ -201,6 +201,14 @@ def _after_rejection(weight: float, law: torch.Tensor, q_row: torch.Tensor) -> t
     return stop, residual / total
 
 
+def _block_weights(tokens: list[int], q: torch.Tensor | None, p: torch.Tensor) -> list[float]:
+    """[k + 1] a chain's weights w_0 = 1, w_{j+1} = min(1, w_j p_j(x_{j+1}) / q_j(x_{j+1}))."""
+    weights = [1.0]
+    for j, x in enumerate(tokens):
+        weights.append(_start_weight(weights[j], p[j], q, j, x))
+    return weights
+
+
 def accept_block(
     tokens: list[int],  # [k]
     parents: list[int],  # [k], a chain
@@ -217,9 +225,7 @@ def accept_block(
     if p.shape[0] != k + 1:
         raise ValueError(f"p must have k+1={k + 1} rows, got {p.shape[0]}")
     # 1. forward: w_0 = 1, w_{j+1} = min(1, w_j p_j(x) / q_j(x))
-    weights = [1.0]
-    for j, x in enumerate(tokens):
-        weights.append(_start_weight(weights[j], p[j], q, j, x))
+    weights = _block_weights(tokens, q, p)  # [k + 1]
     # 2. backward: j = k, ..., 0; the first j with eta_j <= h_j is the kept length (h_0 = 1)
     for j in range(k, -1, -1):
         if j == k:
@@ -275,13 +281,12 @@ def traversal_plan(
     return plan
 
 
-def _judged_path(end: int, parents: list[int], n: int) -> tuple[list[int], list[int]]:
+def _judged_path(end: int, parents: list[int], kids: list[list[int]]) -> tuple[list[int], list[int]]:
     """The accepted path to ``end`` (-1: the root) and the judgements of a rule that tried the
-    children of each node on it in order: earlier siblings rejected, later ones unjudged, all
-    children of ``end`` rejected (the same as recursive rejection's)."""
-    kids = children_of(parents)
+    children (``kids``: ``children_of(parents)``) of each node on it in order: earlier siblings
+    rejected, later ones unjudged, all children of ``end`` rejected (as recursive rejection's)."""
     path = path_to(end, parents)
-    judgements = [UNJUDGED] * n
+    judgements = [UNJUDGED] * len(parents)
     for j, nxt in zip([0] + [i + 1 for i in path], path + [None]):
         for c in kids[j]:
             if c == nxt:
@@ -304,9 +309,9 @@ def accept_traversal(
     for end, stop, law in zip(plan.order, plan.stop, plan.law):
         if end < 0 or _uniform(generator) < stop:
             break
-    path, judgements = _judged_path(end, parents, len(tokens))
-    is_leaf = not children_of(parents)[end + 1]
-    return VerifyResult(len(path), int(sample(law, generator)), is_leaf, path, judgements)
+    kids = children_of(parents)
+    path, judgements = _judged_path(end, parents, kids)
+    return VerifyResult(len(path), int(sample(law, generator)), not kids[end + 1], path, judgements)
 
 
 def expected_accepted(rule: str, tokens: list[int], parents: list[int], q: torch.Tensor | None, p: torch.Tensor) -> float:

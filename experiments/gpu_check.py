@@ -39,8 +39,10 @@ from cascade import generate, load_model  # noqa: E402
 from cascade.cascades import VerticalCascade  # noqa: E402
 from cascade.data import BUILTIN, encode_prompt  # noqa: E402
 from cascade.drafters import NGramDrafter, QuantizedLMDrafter, SmallLMDrafter  # noqa: E402
+from cascade.evaluate import TransformersGenerate, divergences  # noqa: E402
 from cascade.tree_drafter import TreeDrafter  # noqa: E402
 from cascade.trees import DynamicTreePolicy, StaticTreePolicy  # noqa: E402
+from cascade.types import SamplingConfig  # noqa: E402
 
 NEAR_TIE = {"bfloat16": 0.25, "float32": 1e-3}  # top-2 logit gap a divergence may show (bf16 rounds logits coarsely)
 
@@ -63,36 +65,19 @@ class Report:
         print(f"{name}: {status}", flush=True)
 
 
-def first_divergence(target, ids, ours, theirs):
-    if ours == theirs:
-        return None
-    j = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    return j, target.top2_gap(ids + theirs[:j])
-
-
-def hf_greedy(target, ids, n):
-    inp = torch.tensor([ids], device=target.device)
-    out = target.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
-                                pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
-def greedy_equality(target, drafters: dict, prompts, n: int, dtype: str):
+def greedy_equality(target, drafters: dict, prompt_set, prompts, n: int, dtype: str):
+    """Each method's greedy tokens against transformers' own generate on the target's module
+    (``TransformersGenerate``), divergences with the target's top-2 gap (``evaluate.divergences``)."""
     rows, ok = ["| method | prompts | identical | divergences (prompt, position, top-2 gap) | accepted |",
                 "| --- | --- | --- | --- | --- |"], True
-    reference = {p: hf_greedy(target, ids, n) for p, ids in prompts.items()}
+    reference = [TransformersGenerate().decode(target, ids, n, SamplingConfig(), 0) for ids in prompts]
     for name, make in drafters.items():
-        same, divergences, accepted = 0, [], 0
-        for p, ids in prompts.items():
-            out = generate(target, ids, drafter=make() if make else None, max_new_tokens=n)
-            accepted += sum(s.accepted for s in out.steps)
-            d = first_divergence(target, ids, out.tokens, reference[p])
-            if d is None:
-                same += 1
-            else:
-                divergences.append((p, d[0], round(d[1], 4)))
-                ok &= d[1] < NEAR_TIE[dtype]
-        rows.append(f"| {name} | {len(prompts)} | {same} | {divergences or 'none'} | {accepted} |")
+        gens = [generate(target, ids, drafter=make() if make else None, max_new_tokens=n) for ids in prompts]
+        found = divergences(target, prompt_set, prompts, gens, reference)
+        ok &= all(d.top2_gap < NEAR_TIE[dtype] for d in found)
+        accepted = sum(s.accepted for g in gens for s in g.steps)
+        rows.append(f"| {name} | {len(prompts)} | {len(prompts) - len(found)} | "
+                    f"{[(d.prompt, d.position, d.top2_gap) for d in found] or 'none'} | {accepted} |")
     return "\n".join(rows), ok
 
 
@@ -165,7 +150,8 @@ def main() -> int:
     small = load_model("tiny:1" if tiny else "qwen2.5-coder-0.5b", dtype=dtype, device=device)
     # tiny models are random: the target drafts for itself so that drafts are accepted
     drafter_lm = target if tiny else small
-    prompts = {p.id: encode_prompt(target, p.text) for p in BUILTIN[: 2 if tiny else 4]}
+    prompt_set = BUILTIN[: 2 if tiny else 4]
+    prompts = [encode_prompt(target, p.text) for p in prompt_set]
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not tiny else "none (CPU)"
@@ -181,13 +167,13 @@ def main() -> int:
             DynamicTreePolicy(t_min=0.02, max_nodes=16, max_depth=5, max_rank=2, prior_drafter_cost=0.05,
                               measure_costs=False)),
     }
-    report.step("1. greedy equality with transformers' generate", lambda: greedy_equality(target, drafters, prompts, n, dtype))
+    report.step("1. greedy equality with transformers' generate", lambda: greedy_equality(target, drafters, prompt_set, prompts, n, dtype))
     # --tiny: one setting (one exact reference to enumerate) and fewer generations, to stay near a minute
     report.step("2. deep chi-square on the device", lambda: deep_chi_square(
         device, 300, ("temperature",) * 3) if tiny else deep_chi_square(device, 1000))
     quant = "int8_dynamic" if tiny else "nf4"
     report.step(f"3. quantized drafter ({quant})", lambda: greedy_equality(
-        target, {f"{quant} chain": lambda: QuantizedLMDrafter(drafter_lm, quant, k=4)}, prompts, n, dtype))
+        target, {f"{quant} chain": lambda: QuantizedLMDrafter(drafter_lm, quant, k=4)}, prompt_set, prompts, n, dtype))
     report.step(f"4. forward cost ({dtype})", lambda: forward_cost(target))
     report.step("5. the main job", lambda: main_job(tiny, device, out.parent / (out.stem + "_run")))
     report.lines += ["Failed: " + (", ".join(report.failed) if report.failed else "none"), ""]

@@ -243,22 +243,20 @@ class FullQPrunedDrafter(_MisreportingDrafter):
 
 
 def _accept_block(tokens, parents, q, p, generator, *, weight_shift=False):
-    from cascade.verify import _after_rejection, _q_row, _start_weight
+    """The real accept_block; with ``weight_shift`` its backward pass reads position j's weight
+    as w_{j+1} for 0 < j < k (the leaf and the root keep theirs)."""
+    import cascade.verify as v
 
-    k = len(tokens)
-    weights = [1.0]
-    for j, x in enumerate(tokens):
-        weights.append(_start_weight(weights[j], p[j], q, j, x))
-    for j in range(k, -1, -1):
-        if j == k:
-            stop, law = weights[k], p[k]
-        else:
-            w = weights[j + 1] if weight_shift and j > 0 else weights[j]
-            stop, law = _after_rejection(w, p[j], _q_row(q, j, tokens[j], p[j]))
-        if j == 0 or _uniform(generator) < stop:
-            break
-    judgements = [ACCEPTED] * j + [REJECTED] * (j < k) + [UNJUDGED] * (k - j - 1)
-    return VerifyResult(j, int(sample(law, generator)), j == k, list(range(j)), judgements)
+    original = v._block_weights
+    if weight_shift:
+        def shifted(tokens, q, p):
+            w = original(tokens, q, p)
+            return [w[0]] + w[2:] + [w[-1]] if len(w) > 2 else w
+        v._block_weights = shifted
+    try:
+        return v.accept_block(tokens, parents, q, p, generator)
+    finally:
+        v._block_weights = original
 
 
 def _accept_traversal(tokens, parents, q, p, generator, *, stale=False):

@@ -148,13 +148,16 @@ def _check(models, method, setting, n, seed=0, verifier=None, drafter=None, prom
     return samples, lossless_pvalue(samples, law(target, setting, prompt))
 
 
-def _assert_exercised(method, samples, report):
-    """Accepts and rejections at every depth the method reaches, bonus tokens, and (trees)
-    siblings judged after a rejected sibling, >= 20 of each."""
+def _assert_lossless(method, label, samples, p):
+    """The exact code passes: accepts and rejections at every depth the method reaches, bonus
+    tokens, and (trees) siblings judged after a rejected sibling, >= 20 of each; and p > LEVEL.
+    ``label`` names the cell in the failure message."""
+    report = f"{label}: p={p:.2g}; {samples.depth_report()}"
     assert samples.exercised(DEPTH.get(method, 4), 20), "the test does not exercise deep drafts: " + report
     assert samples.event_count("bonus") >= 20, "too few bonus tokens: " + report
     if method in SIBLINGS:
         assert samples.event_count("sibling", 1) >= 20, "too few sibling judgements: " + report
+    assert p > LEVEL, report
 
 
 def test_sampling_matches_transformers_warpers():
@@ -201,9 +204,7 @@ def test_reference_is_a_distribution_and_not_degenerate(models):
 def test_deep_drafts_are_lossless(method, models):
     setting, prompt = _default_cell(METHODS.index(method))
     samples, p = _check(models, method, setting, N_FAST, prompt=prompt)
-    report = f"{method}/{setting}/prompt {prompt}: p={p:.2g}; {samples.depth_report()}"
-    _assert_exercised(method, samples, report)
-    assert p > LEVEL, report
+    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p)
 
 
 def _broken(models, broken, n, seed=0):
@@ -285,9 +286,7 @@ OTHER_CELLS = [(m, s) for i, m in enumerate(METHODS) for s in SETTINGS
 def test_deep_drafts_are_lossless_other_settings(method, setting, models):
     prompt = (list(SETTINGS).index(setting) + 1) % len(PROMPTS)
     samples, p = _check(models, method, setting, N_FAST, seed=2, prompt=prompt)
-    report = f"{method}/{setting}/prompt {prompt}: p={p:.2g}; {samples.depth_report()}"
-    _assert_exercised(method, samples, report)
-    assert p > LEVEL, report
+    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p)
 
 
 @pytest.mark.slow
@@ -296,9 +295,7 @@ def test_deep_drafts_are_lossless_other_settings(method, setting, models):
 def test_deep_drafts_are_lossless_every_setting(method, setting, models):
     prompt = list(SETTINGS).index(setting) % len(PROMPTS)
     samples, p = _check(models, method, setting, N_SLOW, seed=1, prompt=prompt)
-    report = f"{method}/{setting}/prompt {prompt}: p={p:.2g}; {samples.depth_report()}"
-    _assert_exercised(method, samples, report)
-    assert p > LEVEL, report
+    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p)
 
 
 def test_depth_report_counts_accepts_and_rejections():
@@ -347,9 +344,7 @@ def _rule_check(models, rule, method, setting, n, seed=0, verifier=None, prompt=
 def test_block_and_traversal_are_lossless(rule, method, models):
     setting, prompt = _default_cell(RULE_CELLS.index((rule, method)))
     samples, p = _rule_check(models, rule, method, setting, N_FAST, prompt=prompt)
-    report = f"{rule}/{method}/{setting}: p={p:.2g}; {samples.depth_report()}"
-    _assert_exercised(method, samples, report)
-    assert p > LEVEL, report
+    _assert_lossless(method, f"{rule}/{method}/{setting}", samples, p)
 
 
 @pytest.mark.slow
@@ -357,9 +352,7 @@ def test_block_and_traversal_are_lossless(rule, method, models):
 @pytest.mark.parametrize("rule,method", RULE_CELLS)
 def test_block_and_traversal_are_lossless_every_setting(rule, method, setting, models):
     samples, p = _rule_check(models, rule, method, setting, N_SLOW, seed=1)
-    report = f"{rule}/{method}/{setting}: p={p:.2g}; {samples.depth_report()}"
-    _assert_exercised(method, samples, report)
-    assert p > LEVEL, report
+    _assert_lossless(method, f"{rule}/{method}/{setting}", samples, p)
 
 
 @pytest.mark.parametrize("broken,rule,method", [("block_weight_shift", "block", "chain_small_lm"),
@@ -393,6 +386,4 @@ def test_rule_doubles_with_switches_off_are_the_real_rules():
 def test_block_and_traversal_are_lossless_other_settings(rule, method, setting, models):
     prompt = (list(SETTINGS).index(setting) + 1) % len(PROMPTS)
     samples, p = _rule_check(models, rule, method, setting, N_FAST, seed=2, prompt=prompt)
-    report = f"{rule}/{method}/{setting}/prompt {prompt}: p={p:.2g}; {samples.depth_report()}"
-    _assert_exercised(method, samples, report)
-    assert p > LEVEL, report
+    _assert_lossless(method, f"{rule}/{method}/{setting}/prompt {prompt}", samples, p)

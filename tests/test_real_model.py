@@ -91,14 +91,6 @@ def test_fp16w_backend_matches_transformers_generate_on_the_same_weights(smollm,
     assert all(gap < 1e-2 for _, _, gap in divergences), divergences
 
 
-def _hf_greedy(lm, ids, n):
-    import torch
-
-    inp = torch.tensor([ids])
-    return lm.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)[0, len(ids):].tolist()
-
-
 def _speculative_makers(drafter_lm):
     from cascade.cascades import VerticalCascade
     from cascade.tree_drafter import TreeDrafter
@@ -116,17 +108,16 @@ def _speculative_makers(drafter_lm):
 
 def _compare_with_transformers(target, make, n=24):
     """(divergences as (prompt, position, top-2 gap), accepted draft tokens) of cascade's greedy
-    speculative output against transformers' generate on the target's own module."""
-    divergences, accepted = [], 0
-    for prompt in BUILTIN:
-        ids = encode_prompt(target, prompt.text)
-        out = generate(target, ids, drafter=make(), max_new_tokens=n)
-        accepted += sum(s.accepted for s in out.steps)
-        theirs = _hf_greedy(target, ids, n)
-        if out.tokens != theirs:
-            j = next((j for j, (a, b) in enumerate(zip(out.tokens, theirs)) if a != b), min(len(out.tokens), len(theirs)))
-            divergences.append((prompt.id, j, target.top2_gap(ids + theirs[:j])))
-    return divergences, accepted
+    speculative output against transformers' generate on the target's own module
+    (``TransformersGenerate``, compared by ``evaluate.divergences`` as a benchmark does)."""
+    from cascade.evaluate import TransformersGenerate, divergences
+    from cascade.types import SamplingConfig
+
+    prompts = [encode_prompt(target, p.text) for p in BUILTIN]
+    theirs = [TransformersGenerate().decode(target, ids, n, SamplingConfig(), 0) for ids in prompts]
+    ours = [generate(target, ids, drafter=make(), max_new_tokens=n) for ids in prompts]
+    found = divergences(target, BUILTIN, prompts, ours, theirs)
+    return [(d.prompt, d.position, d.top2_gap) for d in found], sum(s.accepted for g in ours for s in g.steps)
 
 
 @pytest.mark.parametrize("kind", ["chain", "vertical_cascade", "static_tree", "dytc"])

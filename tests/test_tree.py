@@ -378,10 +378,13 @@ def test_dynamic_policy_stops_drafting_when_it_does_not_pay(tiny_target, tiny_cl
     assert all(s.drafted for s in out.steps[:-1])
 
 
-def test_tree_mask_double_is_caught_by_greedy_equality(tiny_target, tiny_close_drafter):
-    """The tree mask off by one depth (tests/broken_doubles.py) moves the target's logits at
-    depth >= 2 only slightly, too little for the chi-square test at CI's sample size (README power
-    table); greedy equality on float64 models catches it exactly."""
+@pytest.mark.parametrize("double", ["mask_off_by_one", "commit_off_by_one"])
+def test_tree_doubles_are_caught_by_greedy_equality(double, tiny_target, tiny_close_drafter):
+    """Two tree bugs the chi-square test at CI's sample size barely sees (tests/broken_doubles.py;
+    README power table), caught exactly by greedy equality on float64 models: the tree mask off by
+    one depth (moves the target's logits at depth >= 2 only slightly), and the target's cache
+    keeping a chain's inputs after a path through a later branch (``Verifier.kept``: later steps
+    attend to the wrong keys)."""
     from broken_doubles import VERIFIERS
 
     drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter)], StaticTreePolicy((2, 2, 1, 1)))
@@ -390,27 +393,10 @@ def test_tree_mask_double_is_caught_by_greedy_equality(tiny_target, tiny_close_d
         prompt = [seed, 3, 1, 4, 1, 5]
         ar = generate(tiny_target, prompt, max_new_tokens=24, stop_on_eos=False)
         good = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
-        bad = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False, verifier=VERIFIERS["mask_off_by_one"])
+        bad = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False, verifier=VERIFIERS[double])
         assert good.tokens == ar.tokens
         differ += bad.tokens != ar.tokens
     assert differ >= 3, differ
 
 
-def test_commit_off_by_one_double_is_caught_by_greedy_equality(tiny_target, tiny_close_drafter):
-    """The target's cache keeping a chain's inputs after a path through a later branch
-    (tests/broken_doubles.py ``commit_off_by_one``, through ``Verifier.kept``) corrupts later
-    steps' keys; greedy equality on float64 models catches it where the chi-square test at CI's
-    size does not."""
-    from broken_doubles import VERIFIERS
 
-    drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter)], StaticTreePolicy((2, 2, 1, 1)))
-    differ = 0
-    for seed in range(6):
-        prompt = [seed, 3, 1, 4, 1, 5]
-        ar = generate(tiny_target, prompt, max_new_tokens=24, stop_on_eos=False)
-        good = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False)
-        bad = generate(tiny_target, prompt, drafter=drafter, max_new_tokens=24, stop_on_eos=False,
-                       verifier=VERIFIERS["commit_off_by_one"])
-        assert good.tokens == ar.tokens
-        differ += bad.tokens != ar.tokens
-    assert differ >= 3, differ
