@@ -1,7 +1,8 @@
 """The same drafts judged by every verification rule: exact expected accepted tokens, paired.
 
-``paired``: decodes the token-wise methods of ``+experiment=bench/verify`` (so the drafts are what
-the methods really propose under sampling) and, at every step, computes for that very draft each
+``paired``: decodes the token-wise methods of ``+experiment=bench/verify`` (or of
+``--experiment``, e.g. ``bench/verify_trees``: a static tree with sampled siblings), so the drafts
+are what the methods really propose under sampling, and at every step computes for that very draft each
 rule's exact expected number of accepted tokens from the same p and q
 (``cascade.verify.expected_accepted``: token-wise, and block on a chain / traversal on a tree).
 Per method it prints the mean expected τ (1 + accepted) under each rule, their ratio, and the
@@ -10,7 +11,7 @@ ratio's range over prompts: a comparison free of the sampling noise that separat
 ``report RUN_DIR ...``: per method of bench/verify runs: τ, speedup, and the acceptance rule's
 own time per step (``StepRecord.accept_time_s``) next to the target forward's.
 
-    python experiments/verify_rules.py paired [--out FILE.json] [Hydra overrides, e.g. dataset=gsm8k sampling.temperature=1.0]
+    python experiments/verify_rules.py paired [--experiment bench/verify_trees] [--out FILE.json] [Hydra overrides, e.g. dataset=gsm8k sampling.temperature=1.0]
     python experiments/verify_rules.py report results/bench/verify/*/
 """
 
@@ -55,7 +56,7 @@ class PairedRecorder:
 
 def paired(args, overrides: list[str]) -> None:
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose("config", overrides=["+experiment=bench/verify", *overrides])
+        cfg = compose("config", overrides=[f"+experiment={args.experiment}", *overrides])
     sampling = validate(cfg)
     if sampling.greedy:
         raise SystemExit("every rule is the greedy one under greedy decoding: pass a sampling setting")
@@ -73,7 +74,7 @@ def paired(args, overrides: list[str]) -> None:
             generate(target, ids, drafter=drafter, max_new_tokens=ds.max_new_tokens, seed=cfg.seed + i, sampling=sampling,
                      verifier=Verifier(sampled=recorders[name]))
     out = {"config": {"dataset": ds.name, "temperature": sampling.temperature, "top_k": sampling.top_k,
-                      "top_p": sampling.top_p, "prompts": len(prompts), "target": m.target}, "methods": {}}
+                      "top_p": sampling.top_p, "experiment": args.experiment, "prompts": len(prompts), "target": m.target}, "methods": {}}
     print(f"{'method':16s} {'rule':10s} {'drafts':>6s} {'E[tau] token':>12s} {'E[tau] rule':>11s} {'ratio':>6s} {'per prompt':>14s}")
     for name, rec in recorders.items():
         by_prompt = defaultdict(list)
@@ -114,6 +115,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("paired", help="every rule's exact expectation on the same drafts")
     p.add_argument("--out", help="write the numbers to this JSON file")
+    p.add_argument("--experiment", default="bench/verify", help="the experiment whose token-wise methods draft")
     r = sub.add_parser("report", help="tau, speedup and rule time per step of bench/verify runs")
     r.add_argument("runs", nargs="+")
     args, overrides = ap.parse_known_args()
