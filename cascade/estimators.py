@@ -11,9 +11,9 @@ Acceptance, per key (a drafter and a depth, or a drafter and a sibling rank), tw
 Cost, in seconds, measured around the calls:
 
 * each drafter's time per expansion call (EMA);
-* the target's verification time as a function of the number of tree inputs n: a least-squares
-  line t(n) = a + b n over a sliding window of recent (n, t) pairs, optionally seeded by a
-  calibration pass that times forwards of a few sizes before decoding.
+* a forward's time as a function of its input count n (:class:`CostCurve`: an EMA per measured
+  n, piecewise linear between them), for the target's verification (optionally seeded by a
+  calibration pass that times forwards of a few sizes before decoding) and for each LM drafter.
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ class AcceptanceTable:
             a, b = prior or self.prior
             return a / (a + b)
         return e.mean
+
+    def counts(self, drafter: str, key: str) -> tuple[float, int]:
+        """(accepted, judged) observations of (drafter, key), without the prior."""
+        e = self.table.get((drafter, key))
+        return (0.0, 0) if e is None else (e.a - e.prior[0], e.n)
 
     def seen(self, drafter: str, key: str) -> bool:
         e = self.table.get((drafter, key))

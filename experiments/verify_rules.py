@@ -95,7 +95,10 @@ def paired(args, overrides: list[str]) -> None:
 
 
 def report(args) -> None:
-    print(f"{'run':20s} {'method':20s} {'tau':>5s} {'speedup':>8s} {'accept ms/step':>14s} {'target ms/step':>14s}")
+    """Per method: τ (and its range over prompts), speedup (and its range: per prompt, tokens/s
+    over the baseline's), the acceptance rule's and the target forward's time per step."""
+    print(f"{'run':16s} {'method':20s} {'tau':>5s} {'tau range':>11s} {'speedup':>8s} {'range':>12s} "
+          f"{'accept ms/step':>14s} {'target ms/step':>14s}")
     for root in args.runs:
         for job in load_jobs(root)[0]:
             steps = defaultdict(list)
@@ -103,11 +106,18 @@ def report(args) -> None:
                 steps[row["method"]].append(row)
             cfg = job.summary.config
             label = f"{cfg['dataset']['name']} T{cfg['sampling'].get('temperature')}"
+            base = job.summary.methods["ar"].tokens_per_s_by_prompt
             for name, m in job.summary.methods.items():
                 rows = steps[name]
+                by_prompt = defaultdict(list)
+                for r in rows:
+                    by_prompt[r["prompt"]].append(r["emitted"])
+                taus = [statistics.fmean(e) for e in by_prompt.values()]
+                ratios = [m.tokens_per_s_by_prompt[p] / base[p] for p in base if p in m.tokens_per_s_by_prompt]
                 accept = 1000 * statistics.fmean(r.get("accept_time_s", 0.0) for r in rows)
                 forward = 1000 * statistics.fmean(r["target_time_s"] for r in rows)
-                print(f"{label:20s} {name:20s} {m.stats.tau:5.2f} {m.speedup:7.2f}x {accept:14.2f} {forward:14.1f}")
+                print(f"{label:16s} {name:20s} {m.stats.tau:5.2f} {min(taus):5.2f}-{max(taus):<5.2f} {m.speedup:7.2f}x "
+                      f"{min(ratios):5.2f}-{max(ratios):.2f}x {accept:14.2f} {forward:14.1f}")
 
 
 def main() -> None:

@@ -198,6 +198,33 @@ def test_censoring_unjudged_nodes_are_not_failures():
     assert not table.seen(drafter.names[0], "depth2") and not table.seen(drafter.names[0], "depth3")
 
 
+def test_depth_acceptance_borrows_from_the_depth_above():
+    """A depth's α̂ shrinks toward the depth above, not toward the flat prior: one judged node at a
+    new depth must not price it far below a well-measured depth above it (which kept DyTC from
+    ever drafting past it), while many failures there still pull it down."""
+    from cascade.trees.acceptance import NodeAcceptance
+
+    acc = NodeAcceptance(["lm"])
+    assert acc.first_child(0, 1) == 0.5 and acc.first_child(0, 4) == 0.5  # nothing seen: the prior
+    for ok in [True] * 80 + [False] * 10:
+        acc.table.update("lm", "depth1", ok)
+    d1 = (80 + 1) / (90 + 2)
+    assert abs(acc.first_child(0, 1) - d1) < 1e-12
+    assert abs(acc.first_child(0, 3) - d1) < 1e-12  # unseen depths take the one above
+    acc.table.update("lm", "depth2", True)
+    d2 = (1 + 2 * d1) / (1 + 2)
+    assert abs(acc.first_child(0, 2) - d2) < 1e-12 and acc.first_child(0, 2) > 0.85  # a flat prior gave 2/3
+    for _ in range(30):
+        acc.table.update("lm", "depth3", False)
+    assert acc.first_child(0, 3) < 0.1 and acc.first_child(0, 5) == acc.first_child(0, 3)
+    assert acc.table.counts("lm", "depth3") == (0.0, 30) and acc.table.counts("lm", "depth9") == (0.0, 0)
+    flat = NodeAcceptance(["lm"], depth_prior="flat")  # the Beta prior at every depth, for comparison
+    flat.table = acc.table
+    assert abs(flat.first_child(0, 2) - 2 / 3) < 1e-12 and flat.first_child(0, 4) == flat.first_child(0, 3) == 1 / 32
+    with pytest.raises(ValueError, match="depth_prior"):
+        NodeAcceptance(["lm"], depth_prior="deepest")
+
+
 def test_cost_curve_is_piecewise_and_monotone():
     curve = CostCurve()
     assert curve.predict(3) is None

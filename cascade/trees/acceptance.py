@@ -1,7 +1,7 @@
 """α̂ of tree nodes, learned from verification: what every tree policy's node reach is made of.
 
 Three families of keys per drafter (``cascade.estimators.AcceptanceTable``, censoring-aware):
-``depth{d}`` (a drafter's first child at depth d), ``rank{r}`` (its r-th sampled sibling) and
+``depth{d}`` (a drafter's first child at depth d, its prior centred on depth d - 1's estimate), ``rank{r}`` (its r-th sampled sibling) and
 ``conf{b}`` (a deterministic child whose drafter probability falls in bucket b, calibrated
 online; the prior is a calibrated drafter, worth two observations).
 """
@@ -17,6 +17,7 @@ from cascade.types import ACCEPTED, REJECTED
 # confidence buckets of a deterministic child (the drafter's probability of its token)
 CONF_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)
 CONF_MIDS = (0.025, 0.1, 0.225, 0.4, 0.6, 0.775, 0.9, 0.975)
+DEPTH_PRIORS = ("above", "flat")  # a depth's α̂ prior: centred on the depth above, or the table's own
 
 
 def conf_bucket(conf: float) -> int:
@@ -30,18 +31,35 @@ def _conf_prior(bucket: int) -> tuple[float, float]:
 class NodeAcceptance:
     """α̂ per drafter (by its name in the tree: ``names[i]``)."""
 
-    def __init__(self, names: list[str], prior: tuple[float, float] = (1.0, 1.0)) -> None:
-        self.names = names
+    def __init__(self, names: list[str], prior: tuple[float, float] = (1.0, 1.0), depth_prior: str = "above") -> None:
+        if depth_prior not in DEPTH_PRIORS:
+            raise ValueError(f"depth_prior must be one of {DEPTH_PRIORS}, got {depth_prior!r}")
+        self.names, self.depth_prior = names, depth_prior
         self.table = AcceptanceTable(prior=tuple(prior))
 
     def first_child(self, i: int, depth: int) -> float:
-        """α̂ of drafter i's first child at ``depth``; an unseen depth borrows the deepest seen one
-        above it (acceptance changes slowly with depth), else the prior."""
+        """α̂ of drafter i's first child at ``depth``: each depth's Beta posterior with its prior
+        centred on the estimate of the depth above (same strength as the table's prior), so an
+        unseen depth takes the one above and a depth judged once or twice stays near it.
+
+        Acceptance changes slowly with depth. With a flat prior per depth, one judged node at a
+        new depth put its α̂ at 2/3 (Beta(1, 1) + one success) below a well-measured 0.85-0.9
+        above it; the policy then never paid for that depth again and never learned it (a DyTC
+        tree over the int8 0.5B stopped at depth 3, where the same drafter's chain is accepted
+        0.84-0.93 per depth). ``depth_prior="flat"`` keeps that behaviour (the table's prior at
+        every depth; an unseen depth takes the deepest seen one above it), for comparison."""
         name = self.names[i]
-        for d in range(depth, 0, -1):
-            if self.table.seen(name, f"depth{d}"):
-                return self.table.mean(name, f"depth{d}")
-        return self.table.mean(name, f"depth{depth}")
+        a0, b0 = self.table.prior
+        strength = a0 + b0
+        if self.depth_prior == "flat":
+            seen = [d for d in range(depth, 0, -1) if self.table.counts(name, f"depth{d}")[1]]
+            accepted, judged = self.table.counts(name, f"depth{seen[0]}") if seen else (0.0, 0)
+            return (accepted + a0) / (judged + strength)
+        mean = a0 / strength
+        for d in range(1, depth + 1):
+            accepted, judged = self.table.counts(name, f"depth{d}")
+            mean = (accepted + strength * mean) / (judged + strength)
+        return mean
 
     def sibling(self, i: int, depth: int, rank: int) -> float:
         """P(the rank-th sampled child is accepted | its parent is reached), from estimates only

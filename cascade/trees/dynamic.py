@@ -125,6 +125,7 @@ class DynamicTreePolicy(TreePolicy):
     prior_lookup_cost: float = 0.01  # a forward-free drafter's proposal before it is measured
     prior_verify_slope: float = 0.02  # Δverify per node before two forward sizes are measured, in target steps
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of every depth / rank α̂
+    depth_prior: str = "above"  # depth d's α̂ prior centred on depth d - 1's ("flat": the Beta prior at every depth)
     explore: int = 16  # every explore-th step drafts one level even when it does not pay (0: never)
     measure_costs: bool = True  # False: price with the priors only (deterministic shapes, e.g. tiny test models)
     calibrate: bool = False  # time target forwards of 1..32 inputs once, before decoding (fits Δverify)
