@@ -87,12 +87,24 @@ class AcceptanceTable:
 class CostCurve:
     """t(n): a forward's seconds as a function of its input count n, from measurements per n.
 
-    Not a line: on CPUs a forward is bandwidth-bound up to ~6 inputs (each extra input costs a
+    Not a line: on CPUs a forward is bandwidth-bound up to a few inputs (each extra input costs a
     small fraction of a step) and compute-bound beyond (each costs much more), so one least-
     squares line over 1..32 inputs overprices the first nodes of a tree and underprices the step
-    itself. Each measured n keeps an EMA of its seconds; t is the piecewise-linear interpolation
-    through them, made non-decreasing (a larger forward never costs less), flat below the
-    smallest n seen and extended with the last segment's slope beyond the largest."""
+    itself. Each measured n keeps an EMA of its seconds; the curve through them is
+
+    1. made non-decreasing by isotonic regression (pool adjacent violators, each size weighted by
+       how often it was measured, at most 10): a single slow reading at one size is averaged
+       with its neighbours instead of raising every larger size to it;
+    2. replaced by its greatest convex minorant (the lower hull), and interpolated linearly:
+       measured forwards can step up (e.g. 2 -> 3 inputs costs half a step, 3 -> 8 nearly
+       nothing); priced by the raw local slope, the node at the step looks too dear to a policy
+       that adds nodes one at a time while each pays, which then never reaches the cheap nodes
+       behind it. The hull spreads the step over the nodes up to where it is paid off: each node's
+       price is its share of the cheapest extension, and marginal prices rise with n, as a
+       greedy marginal rule needs.
+
+    Flat below the smallest n seen (a single size: proportional growth), extended with the last
+    segment's slope beyond the largest."""
 
     def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
@@ -112,12 +124,10 @@ class CostCurve:
         return len(self.seconds)
 
     def points(self) -> list[tuple[int, float]]:
-        """(n, seconds) in increasing n, non-decreasing seconds."""
-        out, top = [], 0.0
-        for n in sorted(self.seconds):
-            top = max(top, self.seconds[n])
-            out.append((n, top))
-        return out
+        """(n, seconds) in increasing n: the isotonic fit's convex minorant at every measured n."""
+        ns = sorted(self.seconds)
+        monotone = _isotonic([self.seconds[n] for n in ns], [min(self.counts[n], 10) for n in ns])
+        return list(zip(ns, _convex_minorant(ns, monotone)))
 
     def predict(self, n: float) -> float | None:
         pts = self.points()
@@ -133,6 +143,38 @@ class CostCurve:
 
     def snapshot(self) -> dict[int, float]:
         return {n: round(t, 6) for n, t in self.points()}
+
+
+def _isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares (pool adjacent
+    violators)."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, how many values]
+    for v, w in zip(values, weights):
+        blocks.append([v * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, w2, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += w2
+            blocks[-1][2] += c
+    return [s / w for s, w, c in blocks for _ in range(c)]
+
+
+def _convex_minorant(xs: list[float], ys: list[float]) -> list[float]:
+    """The greatest convex function below the points (xs increasing), at each x: the lower hull."""
+    hull: list[int] = []
+    for i in range(len(xs)):
+        while len(hull) > 1:
+            a, b = hull[-2], hull[-1]
+            # drop b when it lies on or above the segment from a to i
+            if (ys[b] - ys[a]) * (xs[i] - xs[a]) >= (ys[i] - ys[a]) * (xs[b] - xs[a]):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    out = []
+    for a, b in zip(hull, hull[1:]):
+        out += [ys[a] + (ys[b] - ys[a]) * (xs[j] - xs[a]) / (xs[b] - xs[a]) for j in range(a, b)]
+    return out + [ys[hull[-1]]]
 
 
 class DrafterCost:

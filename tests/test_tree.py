@@ -254,6 +254,27 @@ def test_dytc_prices_the_first_nodes_as_measured():
     assert policy.prices.verify_per_node(0) < policy.prices.verify_per_node(10)
 
 
+def test_cost_curve_spreads_a_step_and_pools_an_outlier():
+    """A forward whose time steps up (2 -> 3 inputs: +0.06 s, then flat to 8) prices each node up
+    to 8 at its share of the step (the lower convex hull), so a node-by-node rule can reach the
+    cheap nodes behind the step; one slow reading does not raise the larger sizes to it."""
+    curve = CostCurve()
+    for n, t in ((1, 0.12), (2, 0.13), (3, 0.19), (4, 0.19), (6, 0.19), (8, 0.19), (16, 0.35)):
+        curve.update(n, t)
+    slopes = [curve.predict(n + 1) - curve.predict(n) for n in range(1, 16)]
+    assert all(abs(s - 0.01) < 1e-12 for s in slopes[:7])  # (0.19 - 0.12) / 7 each, not 0.06 at the step
+    assert all(b >= a - 1e-12 for a, b in zip(slopes, slopes[1:]))  # marginal prices rise with n
+    assert curve.predict(1) == 0.12 and abs(curve.predict(8) - 0.19) < 1e-12 and abs(curve.predict(16) - 0.35) < 1e-12
+
+    noisy = CostCurve()
+    for _ in range(3):
+        for n, t in ((1, 0.12), (2, 0.125), (4, 0.135), (6, 0.15), (8, 0.17)):
+            noisy.update(n, t)
+    noisy.update(3, 0.30)  # once, disturbed
+    assert noisy.predict(4) < 0.2 and noisy.predict(8) < 0.2  # (a running maximum put both at 0.30)
+    assert all(b >= a for (_, a), (_, b) in zip(noisy.points(), noisy.points()[1:]))
+
+
 def test_bad_policies():
     with pytest.raises(ValueError):
         StaticTreePolicy((2, 0))
