@@ -161,6 +161,8 @@ def _isotonic(values: list[float], weights: list[float]) -> list[float]:
 
 def _convex_minorant(xs: list[float], ys: list[float]) -> list[float]:
     """The greatest convex function below the points (xs increasing), at each x: the lower hull."""
+    if not xs:
+        return []
     hull: list[int] = []
     for i in range(len(xs)):
         while len(hull) > 1:
