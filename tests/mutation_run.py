@@ -106,7 +106,7 @@ def make_copy(mutant: Mutant, into: Path) -> Path:
 
 
 def run_pytest(tree: Path, files: list[str], env: dict) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider", *files]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-n", "2", "-p", "no:cacheprovider", *files]
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     return out.returncode, out.stdout + out.stderr
 
@@ -142,10 +142,12 @@ def main() -> None:
             if rc == 0 and not args.targeted_only:
                 rc, output = run_pytest(tree, ["tests"], env)
                 scope = "whole default suite"
-        verdict = {0: "survived", 1: "caught"}.get(rc, f"error (pytest rc {rc})")
+        # -x under pytest-xdist ends the session as interrupted (rc 2) after the first failure
+        failed = rc in (1, 2) and re.search(r"^FAILED ", output, re.M) is not None
+        verdict = "caught" if failed else "survived" if rc == 0 else f"error (pytest rc {rc})"
         if rc == 0 and args.targeted_only:
             verdict = "not caught by the losslessness files"
-        failing = first_failure(output) if rc == 1 else ("" if rc == 0 else output.strip().splitlines()[-1:])
+        failing = first_failure(output) if failed else ("" if rc == 0 else output.strip().splitlines()[-1])
         rows.append((mutant.name, verdict, scope, str(failing), (time.time() - t0) / 60))
         print(f"{mutant.name:20s} {verdict:9s} ({scope}; {rows[-1][4]:.1f} min) {failing}", flush=True)
     table = ["| mutant | result | run | first failing test | minutes |", "| --- | --- | --- | --- | --- |"]
