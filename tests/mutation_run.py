@@ -68,7 +68,8 @@ MUTANTS = [
         "recursive rejection: one uniform for all children of a node (two lines)"),
     Mutant("no_replacement", "cascade/trees/static.py", ((
         "calls.draw(q), q,",
-        "calls.draw(q.index_fill(0, torch.tensor(sorted(tree.taken.get(node, set())), dtype=torch.long), 0.0)), q,"),),
+        "calls.draw(q.index_fill(0, torch.tensor([n.token for n in tree.nodes if n.parent == node], dtype=torch.long),"
+        " 0.0)), q,"),),
         "a static tree's sampled siblings drawn without replacement, each reporting the full q"),
     Mutant("bonus_from_q", "cascade/verify.py", ((
         "            return VerifyResult(len(path), int(sample(residual, generator)), not kids[j], path, judgements)",
