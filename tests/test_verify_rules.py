@@ -330,3 +330,37 @@ def test_deterministic_drafts_gain_nothing():
             plan = traversal_plan(tokens, parents, None, p)
             for end, mass in zip(plan.order, plan.end_probabilities()):
                 assert mass == pytest.approx(want[end], abs=1e-12)
+
+
+@pytest.mark.parametrize("rule", ["exact", "shared_uniform", "stale_sibling"])
+def test_recursive_rejection_draws_follow_its_exact_law(rule):
+    """accept_sampled's draws of (end node, next token) on one fixed tree with three sampled
+    siblings at the root and two below the first follow the written-out law (chi-square, 20,000
+    draws); one uniform shared by a node's children, or a residual left stale after a sibling's
+    rejection in 25% of rejections (tests/broken_doubles.py), fails the same check. Exact per
+    draft, so neither is diluted as in the deep tests' tiny models."""
+    from broken_doubles import VERIFIERS as DOUBLES
+
+    parents = [-1, -1, -1, 0, 0]
+    _, q, p = _random_case(torch.Generator().manual_seed(3), 4, parents)
+    q[1], q[2], q[4] = q[0], q[0], q[3]  # siblings drawn from their parent's one q
+    # distinct siblings, the least likely to be kept first (so rejections, and the residual after
+    # them, are frequent); the law is conditional on the draft
+    root = torch.argsort(p[0] / q[0])[:3].tolist()
+    below = torch.argsort(p[1] / q[3])[:2].tolist()
+    tokens = root + below
+    sampled = accept_sampled if rule == "exact" else DOUBLES[rule].sampled
+    cells = {(end, y): mass * float(law[y]) for end, mass, law in recursive_rejection_law(tokens, parents, q, p)
+             for y in range(4)}
+    counts = dict.fromkeys(cells, 0)
+    draw, n = torch.Generator().manual_seed(4), 20_000
+    for _ in range(n):
+        r = sampled(tokens, parents, q, p, draw)
+        counts[(r.path[-1] if r.path else -1, r.next_token)] += 1
+    keys = [c for c in cells if cells[c] > 0]
+    outside = n - sum(counts[c] for c in keys)  # draws the exact law gives no mass
+    pvalue = chisquare([counts[c] for c in keys], [n * sum(counts[c] for c in keys) / n * cells[c] for c in keys]).pvalue
+    if rule == "exact":
+        assert outside == 0 and pvalue > 1e-3, (pvalue, outside)
+    else:
+        assert outside > 0 or pvalue < 1e-3, (rule, pvalue)
