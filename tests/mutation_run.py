@@ -112,9 +112,10 @@ def run_pytest(tree: Path, files: list[str], env: dict) -> tuple[int, str]:
     return out.returncode, out.stdout + out.stderr
 
 
-def first_failure(output: str) -> str:
+def first_failure(output: str) -> str | None:
+    """The first test pytest's summary lists as failed, if any."""
     m = re.search(r"^FAILED (\S+)", output, re.M)
-    return m.group(1) if m else "?"
+    return m.group(1) if m else None
 
 
 def main() -> None:
@@ -144,15 +145,17 @@ def main() -> None:
                 rc, output = run_pytest(tree, ["tests"], env)
                 scope = "whole default suite"
         # -x under pytest-xdist ends the session as interrupted (rc 2) after the first failure
-        failed = rc in (1, 2) and re.search(r"^FAILED ", output, re.M) is not None
-        verdict = "caught" if failed else "survived" if rc == 0 else f"error (pytest rc {rc})"
-        if rc == 0 and args.targeted_only:
-            verdict = "not caught by the losslessness files"
-        failing = first_failure(output) if failed else ("" if rc == 0 else output.strip().splitlines()[-1])
-        rows.append((mutant.name, verdict, scope, str(failing), (time.time() - t0) / 60))
+        failing = first_failure(output) if rc in (1, 2) else None
+        if failing:
+            verdict = "caught"
+        elif rc == 0:
+            verdict, failing = ("not caught by the losslessness files" if args.targeted_only else "survived"), ""
+        else:
+            verdict, failing = f"error (pytest rc {rc})", output.strip().splitlines()[-1]
+        rows.append((mutant, verdict, scope, failing, (time.time() - t0) / 60))
         print(f"{mutant.name:20s} {verdict:9s} ({scope}; {rows[-1][4]:.1f} min) {failing}", flush=True)
-    table = ["| mutant | result | run | first failing test | minutes |", "| --- | --- | --- | --- | --- |"]
-    table += [f"| {n} | {v} | {s} | `{f}` | {m:.1f} |" for n, v, s, f, m in rows]
+    table = ["| mutant | the edit | result | run | first failing test | minutes |", "| --- | --- | --- | --- | --- | --- |"]
+    table += [f"| {m.name} | {m.what} | {v} | {s} | `{f}` | {t:.1f} |" for m, v, s, f, t in rows]
     print("\n".join(table))
     if args.log:
         args.log.parent.mkdir(parents=True, exist_ok=True)

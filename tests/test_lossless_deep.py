@@ -254,9 +254,10 @@ WARPED_AND_TREE_DOUBLES = {
 
 
 # not caught by the chi-square at N_FAST on these tiny models (power table in docs/testing.md):
-# one uniform shared by siblings moves the law too little here; the commit off-by-one only moves
-# the keys of later steps, which these models barely weigh: greedy equality on float64 models
-# catches it exactly (tests/test_tree.py)
+# one uniform shared by siblings moves the law too little here (the exact per-draft test
+# tests/test_verify_rules.py::test_recursive_rejection_draws_follow_its_exact_law catches it);
+# the commit off-by-one only moves the keys of later steps, which these models barely weigh:
+# greedy equality on float64 models catches it exactly (tests/test_tree.py)
 WEAK_AT_N_FAST = {"shared_uniform", "commit_off_by_one"}
 
 

@@ -272,6 +272,22 @@ def test_block_equals_traversal_on_chains_draw_for_draw(deterministic):
                (b.num_accepted, b.next_token, b.all_accepted, b.path, b.judgements)
 
 
+def _draws_against_law(rule, tokens, parents, q, p, law, seed, n=20_000) -> tuple[int, float]:
+    """``n`` draws of ``rule``'s (end node, next token) against ``law`` (end node, mass, next-token
+    law) triples: (draws the law gives no mass, chi-square p-value of the others)."""
+    vocab = p.shape[-1]
+    cells = {(end, y): mass * float(next_law[y]) for end, mass, next_law in law for y in range(vocab)}
+    counts = dict.fromkeys(cells, 0)
+    draw = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        r = rule(tokens, parents, q, p, draw)
+        key = (r.path[-1] if r.path else -1, r.next_token)
+        counts[key] = counts.get(key, 0) + 1
+    keys = [c for c in cells if cells[c] > 0]
+    inside = sum(counts[c] for c in keys)
+    return n - inside, chisquare([counts[c] for c in keys], [inside * cells[c] for c in keys]).pvalue
+
+
 def test_sampling_matches_the_exact_law():
     """accept_block / accept_traversal's draws of (end node, next token) for one fixed tree follow
     the plan's exact law (chi-square, 20,000 draws each)."""
@@ -279,19 +295,10 @@ def test_sampling_matches_the_exact_law():
     for rule, parents in ((accept_block, chain_parents(3)), (accept_traversal, [-1, -1, 0, 1, 2])):
         tokens, q, p = _random_case(gen, 4, parents)
         plan = traversal_plan(tokens, parents, q, p)
-        cells = {}
-        for end, mass, law in zip(plan.order, plan.end_probabilities(), plan.law):
-            for y in range(4):
-                cells[(end, y)] = mass * float(law[y])
-        counts = dict.fromkeys(cells, 0)
-        draw = torch.Generator().manual_seed(2)
-        n = 20_000
-        for _ in range(n):
-            r = rule(tokens, parents, q, p, draw)
-            counts[(r.path[-1] if r.path else -1, r.next_token)] += 1
-        keys = [c for c in cells if cells[c] > 0]
-        assert sum(counts[c] for c in keys) == n
-        assert chisquare([counts[c] for c in keys], [n * cells[c] for c in keys]).pvalue > 1e-3, rule.__name__
+        law = zip(plan.order, plan.end_probabilities(), plan.law)
+        outside, pvalue = _draws_against_law(rule, tokens, parents, q, p, law, seed=2)
+        assert outside == 0, rule.__name__
+        assert pvalue > 1e-3, rule.__name__
 
 
 def test_judgements_and_results_on_a_tree():
@@ -350,16 +357,8 @@ def test_recursive_rejection_draws_follow_its_exact_law(rule):
     below = torch.argsort(p[1] / q[3])[:2].tolist()
     tokens = root + below
     sampled = accept_sampled if rule == "exact" else DOUBLES[rule].sampled
-    cells = {(end, y): mass * float(law[y]) for end, mass, law in recursive_rejection_law(tokens, parents, q, p)
-             for y in range(4)}
-    counts = dict.fromkeys(cells, 0)
-    draw, n = torch.Generator().manual_seed(4), 20_000
-    for _ in range(n):
-        r = sampled(tokens, parents, q, p, draw)
-        counts[(r.path[-1] if r.path else -1, r.next_token)] += 1
-    keys = [c for c in cells if cells[c] > 0]
-    outside = n - sum(counts[c] for c in keys)  # draws the exact law gives no mass
-    pvalue = chisquare([counts[c] for c in keys], [n * sum(counts[c] for c in keys) / n * cells[c] for c in keys]).pvalue
+    law = recursive_rejection_law(tokens, parents, q, p)
+    outside, pvalue = _draws_against_law(sampled, tokens, parents, q, p, law, seed=4)
     if rule == "exact":
         assert outside == 0 and pvalue > 1e-3, (pvalue, outside)
     else:

@@ -1,9 +1,10 @@
 """α̂ of tree nodes, learned from verification: what every tree policy's node reach is made of.
 
 Three families of keys per drafter (``cascade.estimators.AcceptanceTable``, censoring-aware):
-``depth{d}`` (a drafter's first child at depth d, its prior centred on depth d - 1's estimate), ``rank{r}`` (its r-th sampled sibling) and
-``conf{b}`` (a deterministic child whose drafter probability falls in bucket b, calibrated
-online; the prior is a calibrated drafter, worth two observations).
+``depth{d}`` (a drafter's first child at depth d, its prior centred on depth d - 1's estimate),
+``rank{r}`` (its r-th sampled sibling) and ``conf{b}`` (a deterministic child whose drafter
+probability falls in bucket b, calibrated online; the prior is a calibrated drafter, worth two
+observations).
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ class NodeAcceptance:
         0.84-0.93 per depth). ``depth_prior="flat"`` keeps that behaviour (the table's prior at
         every depth; an unseen depth takes the deepest seen one above it), for comparison."""
         name = self.names[i]
+        if self.depth_prior == "flat":
+            for d in range(depth, 0, -1):
+                if self.table.seen(name, f"depth{d}"):
+                    return self.table.mean(name, f"depth{d}")
+            return self.table.mean(name, f"depth{depth}")
         a0, b0 = self.table.prior
         strength = a0 + b0
-        if self.depth_prior == "flat":
-            seen = [d for d in range(depth, 0, -1) if self.table.counts(name, f"depth{d}")[1]]
-            accepted, judged = self.table.counts(name, f"depth{seen[0]}") if seen else (0.0, 0)
-            return (accepted + a0) / (judged + strength)
         mean = a0 / strength
         for d in range(1, depth + 1):
             accepted, judged = self.table.counts(name, f"depth{d}")
