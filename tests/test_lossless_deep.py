@@ -278,7 +278,7 @@ def test_subtler_broken_doubles_fail_with_more_samples(broken, models):
     """Caught at N_SLOW (one run each at another seed: p 6e-7 and 1e-44; this test's seed passes
     too), not reliably at N_FAST (power table: 3/10 and 10/10 over seeds; this suite's seed: p 0.03
     and 0.001). The stale sibling residual (25% of rejections): 3/10 at N_FAST on the close
-    drafter's (2, 2, 1, 1) tree, 4/10 on the far drafter's (3, 3, 1, 1) (median p 0.003); at
+    drafter's (2, 2, 1, 1) tree, 3/10 on the far drafter's (3, 3, 1, 1) (median p 0.003); at
     N_SLOW see docs/testing.md.
     mask_off_by_one is not caught at N_FAST (p 0.6) on these tiny models: see the README."""
     samples, p = _broken(models, broken, N_SLOW)
