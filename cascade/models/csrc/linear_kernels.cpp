@@ -1,0 +1,468 @@
+// Weight-only linear kernels for the few rows (1-32 tokens) decoding and verification multiply:
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x in fp32, W stored in fp16, int8 (per output channel)
+// or int4 (per group of K), arithmetic in fp32.
+//
+// Why hand-written: torch ships no CPU kernel that streams a 16-bit (or lower) weight once per
+// call for 2-32 rows. FBGEMM's fp16-weight GEMM (torch.ops.quantized.linear_dynamic_fp16) costs
+// more with every row even when the weight sits in cache, oneDNN and MKL want fp32 weights
+// (twice the bytes), bf16 rounds the activations, and torch.compile folds an fp32 weight and
+// calls MKL (measured in docs/backends.md). Here each weight tile is loaded and converted once
+// per call and multiplied into every row while it is in registers.
+//
+// Layout (packed in Python, cascade/models/native.py): the N output columns are cut into
+// panels of NC = 32; a panel stores its K x 32 weights k-major, so a panel is one sequential
+// stream of memory ([P, K, 32] fp16 / int8; int4: [P, K, 16] bytes, byte j of a row holding
+// column j in its low nibble and column j + 16 in its high nibble, with [P, K / G, 32] scales).
+// Two threads (OpenMP, torch's runtime) split the panels.
+//
+// Row invariance: every output element is y[m, n] = fma(x[m, K-1], w[K-1, n], ... fma(x[m, 0],
+// w[0, n], 0)) (+ bias[n]) in exactly this order (int8: times the channel's scale before the
+// bias; int4: per group, then scaled), whatever the row count, the row block the row falls in
+// and the other rows. So row i of an M-row call is bitwise the 1-row call on row i: a
+// verification forward reproduces the autoregressive step's products bit for bit.
+//
+// Error bound (fp16 weights): the sequential fp32 sum of K products has
+// |y - x.w| <= gamma_K * sum_k |x_k w_k|, gamma_K = K u / (1 - K u), u = 2^-24 (the weights
+// themselves are exact: fp16 holds every value it is given, checked at load).
+
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int NC = 32;  // columns per panel
+
+// ---- AVX-512 ---------------------------------------------------------------------------------
+
+// One panel, MR rows: acc[m][0..1] hold columns 0-15 and 16-31 of row m.
+template <int MR>
+__attribute__((target("avx512f"))) void fp16_rows_avx512(const float* x, int64_t ldx, const uint16_t* panel,
+                                                          int64_t K, const float* bias, float* y, int64_t ldy,
+                                                          int ncols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const uint16_t* w = panel + k * NC;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * NC), _MM_HINT_T0);
+    const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  for (int m = 0; m < MR; ++m) {
+    __m512 a0 = acc[m][0], a1 = acc[m][1];
+    if (bias) {
+      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
+      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
+    }
+    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
+    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+  }
+}
+
+// int8, one scale per output column: y = (sum_k x_k q_k) * scale (+ bias).
+template <int MR>
+__attribute__((target("avx512f"))) void int8_rows_avx512(const float* x, int64_t ldx, const int8_t* panel, int64_t K,
+                                                          const float* scale, const float* bias, float* y,
+                                                          int64_t ldy, int ncols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* w = panel + k * NC;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * NC), _MM_HINT_T0);
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  const __m512 s0 = _mm512_maskz_loadu_ps(m0, scale), s1 = _mm512_maskz_loadu_ps(m1, scale + 16);
+  for (int m = 0; m < MR; ++m) {
+    __m512 a0 = _mm512_mul_ps(acc[m][0], s0), a1 = _mm512_mul_ps(acc[m][1], s1);
+    if (bias) {
+      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
+      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
+    }
+    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
+    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+  }
+}
+
+// int4, symmetric per (group of G k, column): w = (q - 8) * s. Per group the row's products
+// with q are summed, then acc += s * (group sum - 8 * sum of x over the group) (xsum: [MR, K/G]).
+template <int MR>
+__attribute__((target("avx512f"))) void int4_rows_avx512(const float* x, int64_t ldx, const float* xsum,
+                                                          int64_t ldxs, const uint8_t* panel, int64_t K, int64_t G,
+                                                          const float* scales, const float* bias, float* y,
+                                                          int64_t ldy, int ncols) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m512 gacc[MR][2];
+    for (int m = 0; m < MR; ++m) gacc[m][0] = gacc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+      const uint8_t* w = panel + k * (NC / 2);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 64 * (NC / 2)), _MM_HINT_T0);
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+        gacc[m][0] = _mm512_fmadd_ps(xb, w0, gacc[m][0]);
+        gacc[m][1] = _mm512_fmadd_ps(xb, w1, gacc[m][1]);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(scales + g * NC), s1 = _mm512_loadu_ps(scales + g * NC + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 off = _mm512_set1_ps(8.0f * xsum[m * ldxs + g]);
+      acc[m][0] = _mm512_fmadd_ps(_mm512_sub_ps(gacc[m][0], off), s0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(_mm512_sub_ps(gacc[m][1], off), s1, acc[m][1]);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  for (int m = 0; m < MR; ++m) {
+    __m512 a0 = acc[m][0], a1 = acc[m][1];
+    if (bias) {
+      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
+      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
+    }
+    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
+    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+  }
+}
+
+// ---- AVX2 + F16C + FMA -----------------------------------------------------------------------
+// 16 ymm registers: a panel's 32 columns are 4 vectors of 8; rows are taken MR at a time with
+// NV vectors (columns c0 .. c0 + 8 NV) of the panel per pass.
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load_w_fp16(const uint16_t* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load_w_int8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+// Store 8 lanes of a (columns c .. c+7 of the panel, ncols valid) through a stack buffer when partial.
+__attribute__((target("avx2,fma,f16c"))) inline void store8(float* dst, __m256 a, int c, int ncols) {
+  if (c + 8 <= ncols) {
+    _mm256_storeu_ps(dst, a);
+  } else if (c < ncols) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, a);
+    std::memcpy(dst, tmp, sizeof(float) * (ncols - c));
+  }
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* src, int c, int ncols) {
+  if (c + 8 <= ncols) return _mm256_loadu_ps(src);
+  alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (c < ncols) std::memcpy(tmp, src, sizeof(float) * (ncols - c));
+  return _mm256_load_ps(tmp);
+}
+
+// fp16 and int8: WT is the stored weight type; scale may be null (fp16).
+template <int MR, int NV, typename WT>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t ldx, const WT* panel, int64_t K,
+                                                         int c0, const float* scale, const float* bias, float* y,
+                                                         int64_t ldy, int ncols) {
+  __m256 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const WT* w = panel + k * NC + c0;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * NC), _MM_HINT_T0);
+    __m256 wv[NV];
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (sizeof(WT) == 2) wv[v] = load_w_fp16(reinterpret_cast<const uint16_t*>(w) + 8 * v);
+      else wv[v] = load_w_int8(reinterpret_cast<const int8_t*>(w) + 8 * v);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_set1_ps(x[m * ldx + k]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(xb, wv[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int c = c0 + 8 * v;
+      __m256 a = acc[m][v];
+      if (scale) a = _mm256_mul_ps(a, load8(scale + c, c, ncols));
+      if (bias) a = _mm256_add_ps(a, load8(bias + c, c, ncols));
+      store8(y + m * ldy + c, a, c, ncols);
+    }
+}
+
+// int4 on AVX2: one row at a time, all four vectors (columns 0-7, 8-15 from the low nibbles of
+// bytes 0-7 and 8-15; 16-23, 24-31 from their high nibbles).
+__attribute__((target("avx2,fma,f16c"))) void int4_row_avx2(const float* x, const float* xsum, const uint8_t* panel,
+                                                             int64_t K, int64_t G, const float* scales,
+                                                             const float* bias, float* y, int ncols) {
+  __m256 acc[4];
+  for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(0xF);
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m256 gacc[4];
+    for (int v = 0; v < 4; ++v) gacc[v] = _mm256_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+      const uint8_t* w = panel + k * (NC / 2);
+      _mm_prefetch(reinterpret_cast<const char*>(w + 64 * (NC / 2)), _MM_HINT_T0);
+      const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+      const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
+      const __m256 xb = _mm256_set1_ps(x[k]);
+      gacc[0] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_and_si256(qa, low)), gacc[0]);
+      gacc[1] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_and_si256(qb, low)), gacc[1]);
+      gacc[2] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), gacc[2]);
+      gacc[3] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), gacc[3]);
+    }
+    const __m256 off = _mm256_set1_ps(8.0f * xsum[g]);
+    for (int v = 0; v < 4; ++v)
+      acc[v] = _mm256_fmadd_ps(_mm256_sub_ps(gacc[v], off), _mm256_loadu_ps(scales + g * NC + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < 4; ++v) {
+    const int c = 8 * v;
+    __m256 a = acc[v];
+    if (bias) a = _mm256_add_ps(a, load8(bias + c, c, ncols));
+    store8(y + c, a, c, ncols);
+  }
+}
+
+// ---- dispatch --------------------------------------------------------------------------------
+
+enum class Isa { none, avx2, avx512 };
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return Isa::avx2;
+  return Isa::none;
+}
+
+Isa isa() {
+  static const Isa found = detect_isa();
+  return found;
+}
+
+constexpr int MR512 = 8;  // rows per block on AVX-512 (16 accumulators)
+
+template <typename Fn>
+void run_rows(int64_t M, int mr, Fn&& block) {  // block(r0, rows) for row blocks of <= mr rows
+  for (int64_t r0 = 0; r0 < M; r0 += mr) block(r0, static_cast<int>(std::min<int64_t>(mr, M - r0)));
+}
+
+// Panels split between torch's intra-op threads (contiguous ranges: each thread streams its own
+// part of the packed weight).
+template <typename Fn>
+void for_panels(int64_t P, Fn&& fn) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) fn(p);
+  });
+}
+
+void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "x must be a 2-D fp32 tensor with unit stride along K");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) * (packed.scalar_type() == torch::kUInt8 ? 2 : 1) == NC,
+              "packed weight must be [P, K, 32] (int4: [P, K, 16])");
+  TORCH_CHECK(packed.size(1) == x.size(1), "x has K = ", x.size(1), ", the weight ", packed.size(1));
+  TORCH_CHECK(N > (packed.size(0) - 1) * NC && N <= packed.size(0) * NC, "N = ", N, " does not match ", packed.size(0), " panels");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias must be [N] fp32");
+}
+
+torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                          const c10::optional<torch::Tensor>& bias) {
+  check_inputs(x, packed, N, bias);
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat16, "fp16 kernel needs a float16 packed weight");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::Half>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const Isa which = isa();
+  for_panels(P, [&](int64_t p) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+    const uint16_t* panel = wp + p * K * NC;
+    const float* b = bp ? bp + p * NC : nullptr;
+    if (which == Isa::avx512) {
+      run_rows(M, MR512, [&](int64_t r0, int rows) {
+        const float* xr = xp + r0 * ldx;
+        float* yr = yp + r0 * N + p * NC;
+        switch (rows) {
+          case 1: fp16_rows_avx512<1>(xr, ldx, panel, K, b, yr, N, ncols); break;
+          case 2: fp16_rows_avx512<2>(xr, ldx, panel, K, b, yr, N, ncols); break;
+          case 3: fp16_rows_avx512<3>(xr, ldx, panel, K, b, yr, N, ncols); break;
+          case 4: fp16_rows_avx512<4>(xr, ldx, panel, K, b, yr, N, ncols); break;
+          case 5: fp16_rows_avx512<5>(xr, ldx, panel, K, b, yr, N, ncols); break;
+          case 6: fp16_rows_avx512<6>(xr, ldx, panel, K, b, yr, N, ncols); break;
+          case 7: fp16_rows_avx512<7>(xr, ldx, panel, K, b, yr, N, ncols); break;
+          default: fp16_rows_avx512<8>(xr, ldx, panel, K, b, yr, N, ncols); break;
+        }
+      });
+    } else if (M <= 2) {  // one pass over all four vectors of the panel
+      run_rows(M, 2, [&](int64_t r0, int rows) {
+        const float* xr = xp + r0 * ldx;
+        float* yr = yp + r0 * N + p * NC;
+        if (rows == 1) rows_avx2<1, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols);
+        else rows_avx2<2, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols);
+      });
+    } else {  // half a panel per pass, up to 6 rows
+      for (int c0 = 0; c0 < NC; c0 += 16) {
+        if (c0 >= ncols) break;
+        run_rows(M, 6, [&](int64_t r0, int rows) {
+          const float* xr = xp + r0 * ldx;
+          float* yr = yp + r0 * N + p * NC;
+          const float* bb = b;
+          switch (rows) {
+            case 1: rows_avx2<1, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
+            case 2: rows_avx2<2, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
+            case 3: rows_avx2<3, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
+            case 4: rows_avx2<4, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
+            case 5: rows_avx2<5, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
+            default: rows_avx2<6, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
+          }
+        });
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, int64_t N,
+                          const c10::optional<torch::Tensor>& bias) {
+  check_inputs(x, packed, N, bias);
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "int8 kernel needs an int8 packed weight");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == P * NC,
+              "scale must be [P * 32] fp32 (padded)");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const Isa which = isa();
+  for_panels(P, [&](int64_t p) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+    const int8_t* panel = wp + p * K * NC;
+    const float* s = sp + p * NC;
+    const float* b = bp ? bp + p * NC : nullptr;
+    if (which == Isa::avx512) {
+      run_rows(M, MR512, [&](int64_t r0, int rows) {
+        const float* xr = xp + r0 * ldx;
+        float* yr = yp + r0 * N + p * NC;
+        switch (rows) {
+          case 1: int8_rows_avx512<1>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+          case 2: int8_rows_avx512<2>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+          case 3: int8_rows_avx512<3>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+          case 4: int8_rows_avx512<4>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+          case 5: int8_rows_avx512<5>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+          case 6: int8_rows_avx512<6>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+          case 7: int8_rows_avx512<7>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+          default: int8_rows_avx512<8>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
+        }
+      });
+    } else {
+      for (int c0 = 0; c0 < NC; c0 += 16) {
+        if (c0 >= ncols) break;
+        run_rows(M, 6, [&](int64_t r0, int rows) {
+          const float* xr = xp + r0 * ldx;
+          float* yr = yp + r0 * N + p * NC;
+          switch (rows) {
+            case 1: rows_avx2<1, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
+            case 2: rows_avx2<2, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
+            case 3: rows_avx2<3, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
+            case 4: rows_avx2<4, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
+            case 5: rows_avx2<5, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
+            default: rows_avx2<6, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
+          }
+        });
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                          int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias) {
+  check_inputs(x, packed, N, bias);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "int4 kernel needs a uint8 packed weight");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
+  TORCH_CHECK(group > 0 && K % group == 0, "K = ", K, " is not a multiple of the group size ", group);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == P && scales.size(1) == K / group && scales.size(2) == NC,
+              "scales must be [P, K / group, 32] fp32");
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldxs = K / group;
+  auto xsum = torch::empty({M, ldxs}, x.options());  // [M, K / G]: each row's sum over each group, in k order
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ldxs; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xp[m * ldx + k];
+      xs[m * ldxs + g] = s;
+    }
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const Isa which = isa();
+  for_panels(P, [&](int64_t p) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+    const uint8_t* panel = wp + p * K * (NC / 2);
+    const float* s = sp + p * (K / group) * NC;
+    const float* b = bp ? bp + p * NC : nullptr;
+    if (which == Isa::avx512) {
+      run_rows(M, 4, [&](int64_t r0, int rows) {
+        const float* xr = xp + r0 * ldx;
+        const float* xsr = xs + r0 * ldxs;
+        float* yr = yp + r0 * N + p * NC;
+        switch (rows) {
+          case 1: int4_rows_avx512<1>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
+          case 2: int4_rows_avx512<2>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
+          case 3: int4_rows_avx512<3>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
+          default: int4_rows_avx512<4>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
+        }
+      });
+    } else {
+      for (int64_t r = 0; r < M; ++r)
+        int4_row_avx2(xp + r * ldx, xs + r * ldxs, panel, K, group, s, b, yp + r * N + p * NC, ncols);
+    }
+  });
+  return y;
+}
+
+std::string isa_name() {
+  switch (isa()) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "none";
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa_name, "the instruction set the kernels run on: avx512, avx2 or none");
+  m.def("linear_fp16", &linear_fp16, "y = x @ W^T (+ bias), W packed fp16 [P, K, 32]", py::arg("x"), py::arg("packed"),
+        py::arg("n"), py::arg("bias") = py::none());
+  m.def("linear_int8", &linear_int8, "y = (x @ Q^T) * scale (+ bias), Q packed int8 [P, K, 32]", py::arg("x"),
+        py::arg("packed"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("linear_int4", &linear_int4, "y = x @ ((Q - 8) * s)^T (+ bias), Q packed int4 [P, K, 16]", py::arg("x"),
+        py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("n"), py::arg("bias") = py::none());
+}

@@ -1,0 +1,250 @@
+"""cascade's own CPU kernels (``csrc/linear_kernels.cpp``): weight-only linear layers for the
+1-32 rows decoding and verification multiply, fp32 arithmetic.
+
+Why a C++ extension: torch ships no CPU kernel that reads a 16-bit (or lower) weight once per
+call for 2-32 rows. FBGEMM's fp16-weight GEMM costs more with every row, oneDNN and MKL need
+fp32 weights (twice the bytes), bf16 rounds the activations, ``torch.compile`` folds an fp32
+weight and calls MKL (docs/backends.md has the measurements). The kernels here convert each
+weight tile once and multiply it into every row; two threads split the output columns.
+
+- :class:`NativeFP16Linear` (``load_model(dtype="native")``): the checkpoint's weights held
+  exactly in fp16, fp32 arithmetic. **Row-invariant**: row i of an M-row call is bitwise the
+  1-row call on row i (every output is the same sequential fp32 FMA chain over K whatever the
+  row count), so a k-token verification forward multiplies exactly as k one-token steps do.
+  Error against the exact product: ``|y - x.w| <= gamma_K * sum_k |x_k w_k|``,
+  ``gamma_K = K u / (1 - K u)``, ``u = 2^-24`` (:func:`fp32_sum_bound`).
+- :class:`NativeInt8Linear`, :class:`NativeInt4Linear` (``quantize="int8_native"`` /
+  ``"int4_native"``): weight-only quantized copies for drafters (a quarter / an eighth of fp32's
+  bytes; symmetric int8 per output channel, int4 per group of 64 along K).
+
+The extension is built on first use with ``torch.utils.cpp_extension.load`` (g++, a minute on
+2 cores) and cached under ``$CASCADE_CACHE/native/`` per torch version and source hash; it is
+never built at install time (under pip's build isolation that would fetch another torch).
+Where it cannot be built or run (no compiler, a CPU without AVX2 + FMA + F16C, not x86, or
+``CASCADE_NATIVE=0``), :func:`native_kernels` returns None and :func:`unavailable_reason` says
+why; ``dtype="auto"`` then falls back to FBGEMM's ``fp16w`` and logs the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PANEL = 32  # output columns per packed panel (the kernels' NC)
+INT4_GROUP = 64  # K values per int4 scale
+SOURCE = Path(__file__).with_name("csrc") / "linear_kernels.cpp"
+
+_state: dict[str, object] = {}
+
+
+def _build_dir() -> Path:
+    from cascade.models import zoo
+
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return zoo.cache_root() / "native" / f"torch{torch.__version__}-{digest}"
+
+
+def native_kernels():
+    """The compiled extension (built and cached on first use), or None where it cannot be built
+    or run here (:func:`unavailable_reason` says why)."""
+    if "module" in _state:
+        return _state["module"]
+    module, reason = None, None
+    if os.environ.get("CASCADE_NATIVE", "1") == "0":
+        reason = "disabled by CASCADE_NATIVE=0"
+    elif platform.machine().lower() not in ("x86_64", "amd64"):
+        reason = f"the kernels are x86 (AVX2 / AVX-512); this machine is {platform.machine()}"
+    else:
+        try:
+            from torch.utils.cpp_extension import load
+
+            build = _build_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            module = load(name="cascade_native", sources=[str(SOURCE)], build_directory=str(build),
+                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            if module.isa() == "none":
+                module, reason = None, "this CPU has neither AVX-512 nor AVX2 + FMA + F16C"
+        except Exception as exc:  # no compiler, missing headers, a failed build: fall back, say why
+            module, reason = None, f"the extension did not build ({type(exc).__name__}: {str(exc).strip()[-300:]})"
+    _state["module"], _state["reason"] = module, reason
+    if reason:
+        log.info("cascade native kernels unavailable: %s", reason)
+    return module
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`native_kernels` is None (None when it is available)."""
+    native_kernels()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def fp32_sum_bound(k: int) -> float:
+    """gamma_K: the relative bound of a sequential fp32 sum of K products (times sum |x w|)."""
+    u = 2.0 ** -24
+    return k * u / (1 - k * u)
+
+
+# ---- packing (pure) ----------------------------------------------------------------------------
+
+def _panels(w: torch.Tensor) -> torch.Tensor:  # [N, K] -> [P, K, 32] (zero-padded columns)
+    n, k = w.shape
+    p = -(-n // PANEL)
+    padded = torch.zeros(p * PANEL, k, dtype=w.dtype)
+    padded[:n] = w
+    return padded.reshape(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def _unpanel(packed: torch.Tensor, n: int) -> torch.Tensor:  # [P, K, 32] -> [N, K]
+    p, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(p * PANEL, k)[:n]
+
+
+def pack_fp16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight -> [P, K, 32] fp16 panels (the caller checks fp16 holds it exactly)."""
+    return _panels(weight.detach().to(torch.float16))
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [N, K] int8, scale [N] fp32), w ~= q * scale."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 per (column, group of ``group`` along K): (q [N, K] in 0..15 as uint8,
+    scale [N, K / group] fp32), w ~= (q - 8) * scale."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 groups of {group} need K divisible by {group}, got K = {k}")
+    g = w.reshape(n, k // group, group)
+    scale = (g.abs().amax(dim=2) / 7).clamp(min=torch.finfo(torch.float32).tiny)  # [N, K/G]
+    q = torch.clamp(torch.round(g / scale[..., None]), -8, 7) + 8
+    return q.reshape(n, k).to(torch.uint8), scale
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [P, K, 16] bytes: byte j of a panel row holds column j (low nibble)
+    and column j + 16 (high nibble)."""
+    panels = _panels(q)  # [P, K, 32]
+    return (panels[..., :16] | (panels[..., 16:] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: [N, K] values 0..15."""
+    return _unpanel(torch.cat([packed & 0xF, packed >> 4], dim=-1), n)
+
+
+def _pad(v: torch.Tensor, length: int) -> torch.Tensor:
+    out = torch.zeros(length, *v.shape[1:], dtype=v.dtype)
+    out[: v.shape[0]] = v
+    return out
+
+
+# ---- modules -------------------------------------------------------------------------------------
+
+class _NativeLinear(nn.Module):
+    """Inference-only ``nn.Linear`` replacement running a native kernel on [..., in] fp32 rows."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.ext = native_kernels()
+        if self.ext is None:
+            raise RuntimeError(f"cascade's native kernels are unavailable: {unavailable_reason()}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:  # [M, in] fp32 -> [M, out]
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1]).float()
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        return self._matmul(x2d).reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """The weight (and bias) as a dense fp32 ``nn.Linear`` holds them (exact for fp16; the
+        dequantized weights for int8 / int4)."""
+        return {"weight": self.dense_weight(), **({} if self.bias is None else {"bias": self.bias.clone()})}
+
+
+class NativeFP16Linear(_NativeLinear):
+    """fp16 weights (exactly the checkpoint's), fp32 arithmetic, row-invariant."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        from cascade.models.cpu_kernels import InexactWeightError, fp16_inexact
+
+        bad = fp16_inexact(linear.weight)
+        if bad:
+            raise InexactWeightError(f"{bad} weight values are not exactly representable in fp16")
+        super().__init__(linear)
+        self.packed = pack_fp16(linear.weight)  # [P, K, 32] fp16
+
+    def dense_weight(self) -> torch.Tensor:
+        return _unpanel(self.packed, self.out_features).float()
+
+    def _matmul(self, x2d):
+        return self.ext.linear_fp16(x2d, self.packed, self.out_features, self.bias)
+
+
+class NativeInt8Linear(_NativeLinear):
+    """int8 weights, one scale per output channel, fp32 activations and arithmetic (a drafter's)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q, scale = quantize_int8(linear.weight)
+        self.packed = _panels(q)  # [P, K, 32] int8
+        self.scale = _pad(scale, self.packed.shape[0] * PANEL).contiguous()  # [P * 32]
+
+    def dense_weight(self) -> torch.Tensor:
+        return _unpanel(self.packed, self.out_features).float() * self.scale[: self.out_features, None]
+
+    def _matmul(self, x2d):
+        return self.ext.linear_int8(x2d, self.packed, self.scale, self.out_features, self.bias)
+
+
+class NativeInt4Linear(_NativeLinear):
+    """int4 weights, one scale per output column and group of 64 along K (a drafter's)."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
+        super().__init__(linear)
+        q, scale = quantize_int4(linear.weight, group)
+        self.group = group
+        self.packed = pack_int4(q)  # [P, K, 16] uint8
+        self.scales = _panels(scale).contiguous()  # [P, K / G, 32]
+
+    def dense_weight(self) -> torch.Tensor:
+        q = unpack_int4(self.packed, self.out_features).float() - 8  # [N, K]
+        scale = _unpanel(self.scales, self.out_features)  # [N, K / G]
+        return q * scale.repeat_interleave(self.group, dim=1)
+
+    def _matmul(self, x2d):
+        return self.ext.linear_int4(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
+
+
+def swap_linears(model: nn.Module, make) -> tuple[int, list[str]]:
+    """Swap every ``nn.Linear`` of an fp32 CPU model (in place) for ``make(linear)``; a layer
+    ``make`` refuses (ValueError: e.g. fp16 cannot hold its weights, K not divisible by the
+    int4 group) keeps its exact fp32 linear. Returns (swapped count, names kept)."""
+    swapped, kept = 0, []
+    for pname, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                try:
+                    setattr(parent, name, make(child))
+                    swapped += 1
+                except ValueError:
+                    kept.append(f"{pname}.{name}" if pname else name)
+    return swapped, kept
