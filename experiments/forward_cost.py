@@ -2,8 +2,10 @@
 backend side by side in one process, and where the time goes (per component).
 
 This is the slack speculative verification lives on. Backends: bf16 (transformers' kernels),
-fp32, fp32 with oneDNN linears, and fp16 weights with fp32 arithmetic through FBGEMM
-(``dtype="fp16w"``, ``cascade.models.cpu_kernels``). The component table times, for k = 1 and
+fp32, fp32 with oneDNN linears, fp16 weights with fp32 arithmetic through FBGEMM
+(``dtype="fp16w"``, ``cascade.models.cpu_kernels``) or through cascade's native row-invariant
+kernels (``native``: ``dtype="native"``, ``cascade.models.native``), and the drafters' quantized
+copies (``int8``: torch's dynamic int8; ``int8n`` / ``int4n``: the native weight-only kernels). The component table times, for k = 1 and
 the largest k, the attention projections (q, k, v, o), the rest of attention (RoPE, the
 softmax-weighted sum over the cache), the MLP, the LM head and everything else (embedding,
 norms, framework), with forward hooks (they add a little overhead of their own).
@@ -14,8 +16,10 @@ fp16-weight GEMM at 512 rows), counts the model's linear weights, and prints the
 ``theory.forward_floor_s`` for every k (16-bit weights read once, arithmetic at the measured
 peak, the two overlapped; and the sum of the two, a kernel that does not overlap them), each
 backend's time over that floor, and the 1-token forward's tokens per second as a
-fraction of the bandwidth bound. Where the floor's own k-token / 1-token ratio is above a goal,
-no exact kernel can meet that goal on this machine.
+fraction of the bandwidth bound for the bytes that backend reads. Where the floor's own k-token /
+1-token ratio is above a goal, no exact kernel can meet that goal on this machine. ``--prefill N``
+(default 256; 0: skip) times an N-token forward on an empty cache per backend and prints its
+GFLOP/s against the measured fp32 peak.
 
     python experiments/forward_cost.py --model qwen2.5-coder-1.5b
 """
@@ -75,6 +79,18 @@ def forward_times(lm, ks, repeats: int) -> dict[int, float]:
     return out
 
 
+def prefill_time(lm, n: int, repeats: int) -> float:
+    """Seconds of an n-token forward on an empty cache (median of repeats, after a warm-up)."""
+    ids = [t % lm.vocab_size for t in range(100, 100 + n)]
+    samples = []
+    for _ in range(repeats + 1):
+        cache = lm.new_cache()
+        t0 = time.perf_counter()
+        lm.forward(ids, cache, keep_last=1)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:])
+
+
 def component_times(lm, k: int, repeats: int) -> dict[str, float]:
     """Seconds per forward of k tokens spent in each component (median over repeats)."""
     spent: dict[str, float] = defaultdict(float)
@@ -119,7 +135,8 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,5,6,8,9,12,16,24,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backends", default="bf16,fp32,fp32+oneDNN,fp16w,dispatch,int8")
+    ap.add_argument("--backends", default="bf16,fp32,fp32+oneDNN,fp16w,dispatch,native,int8,int8n,int4n")
+    ap.add_argument("--prefill", type=int, default=256, help="tokens of the prefill timed per backend (0: skip)")
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
                     help="skip measuring bandwidth and peak FLOP/s (about 10 s and 1 GiB of memory)")
     args = ap.parse_args()
@@ -127,20 +144,23 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()  # a loading bar per backend would bury the table
     ks = [int(k) for k in args.ks.split(",")]
     known = {"bf16": dict(dtype="bfloat16"), "fp32": dict(dtype="float32"), "fp32+oneDNN": dict(dtype="float32", onednn=True),
-             "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch"), "int8": dict(quantize="int8_dynamic")}
+             "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch"), "native": dict(dtype="native"),
+             "int8": dict(quantize="int8_dynamic"), "int8n": dict(quantize="int8_native"), "int4n": dict(quantize="int4_native")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
-    components, all_times, params = {}, {}, None
+    components, all_times, prefill, params = {}, {}, {}, None
     for name, kwargs in backends.items():
         lm = load_model(args.model, **kwargs)
         params = params or linear_params(lm)
         times = all_times[name] = forward_times(lm, ks, args.repeats)
         print(f"{name:12s} " + " ".join(f"{1000 * times[k]:7.0f} ({times[k] / times[1]:4.2f})" for k in ks), flush=True)
         components[name] = {k: component_times(lm, k, args.repeats) for k in (ks[0], ks[-1])}
+        if args.prefill:
+            prefill[name] = prefill_time(lm, args.prefill, max(1, args.repeats // 2))
         del lm
     if args.roofline:
-        print_roofline(ks, all_times, params)
+        print_roofline(ks, all_times, params, prefill, args.prefill)
     keys = ["attn_proj", "attn_core", "mlp", "lm_head", "other", "total"]
     print("\nms per forward by component (hooks add some overhead; other = embedding, norms, framework)")
     print(f"{'backend':12s} {'k':>3s} " + " ".join(f"{c:>9s}" for c in keys))
@@ -150,11 +170,14 @@ def main() -> None:
 
 
 # bytes each backend streams per linear weight (dispatch: fp16 copies; int8: one byte plus a
-# scale per tensor)
-BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "int8": 1}
+# scale per tensor; int8n: per channel; int4n: half a byte plus an fp32 scale per 64 weights)
+BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "int8": 1, "int8n": 1,
+                    "int4n": 0.5 + 4 / 64}
+EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native")  # fp32 arithmetic on the checkpoint's own weights
 
 
-def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params: int) -> None:
+def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params: int, prefill: dict[str, float],
+                   prefill_tokens: int) -> None:
     bandwidth, peaks = read_bandwidth(), peak_flops()
     peak = max(peaks.values())
     weight_bytes, flops = 2 * params, 2 * params  # 16-bit weights; a multiply-add per weight and token
@@ -167,18 +190,35 @@ def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params
     print(f"{'floor':12s} " + " ".join(f"{1000 * floor[k]:7.0f} ({floor[k] / floor[1]:4.2f})" for k in ks))
     print(f"{'no overlap':12s} " + " ".join(f"{1000 * serial[k]:7.0f} ({serial[k] / serial[1]:4.2f})" for k in ks)
           + "   (streaming, then arithmetic)")
-    print("time / floor (the floor of 16-bit weights; int8 streams half those bytes)")
+    print("time / floor (the floor of each backend's own bytes per weight)")
+    own_floor = {}
     for name, times in all_times.items():
-        print(f"{name:12s} " + " ".join(f"{times[k] / floor[k]:14.2f}" for k in ks))
+        own = BYTES_PER_WEIGHT.get(name, 2)
+        own_floor[name] = {k: forward_floor_s(k, own * params, flops, bandwidth, peak) for k in ks}
+        print(f"{name:12s} " + " ".join(f"{times[k] / own_floor[name][k]:14.2f}" for k in ks))
     for name, times in all_times.items():
         own = BYTES_PER_WEIGHT.get(name, 2)
         bound = bandwidth / (own * params)
         print(f"{name}: 1-token forward {1 / times[1]:.2f} tok/s = {100 / times[1] / bound:.0f}% of the bandwidth bound for its "
-              f"{own}-byte weights ({bound:.2f} tok/s)")
+              f"{own:g}-byte weights ({bound:.2f} tok/s)")
+    small = [k for k in ks if k <= 8]
+    print(f"goal 1-token >= 90% of the bandwidth bound (exact backends): "
+          + ", ".join(f"{n} {100 * own_floor[n][1] / t[1]:.0f}%" for n, t in all_times.items() if n in EXACT))
+    print(f"goal k <= 8 within 1.15x of k = 1: the floor's own worst ratio is {max(floor[k] / floor[1] for k in small):.2f}; "
+          + ", ".join(f"{n} {max(t[k] / t[1] for k in small):.2f}" for n, t in all_times.items()))
+    if 16 in floor:
+        print(f"goal k = 16 <= 1.5x k = 1: the floor's own ratio is {floor[16] / floor[1]:.2f}; "
+              + ", ".join(f"{n} {t[16] / t[1]:.2f}" for n, t in all_times.items()))
+    print("drafter goal <= 1.3x the bandwidth floor of its own bytes (1 token): "
+          + ", ".join(f"{n} {t[1] / own_floor[n][1]:.2f}x" for n, t in all_times.items()))
     for k, goal in ((5, 1.3), (9, 1.6)):
         if k in floor:
             print(f"goal {k}-token <= {goal}x the 1-token forward: the floor's own ratio is {floor[k] / floor[1]:.2f}; "
                   + ", ".join(f"{name} {times[k] / times[1]:.2f}" for name, times in all_times.items()))
+    if prefill:
+        print(f"prefill of {prefill_tokens} tokens (empty cache): "
+              + ", ".join(f"{n} {1000 * t:.0f} ms = {prefill_tokens * flops / t / 1e9:.0f} GFLOP/s "
+                          f"({100 * prefill_tokens * flops / t / peaks['sgemm']:.0f}% of sgemm's peak)" for n, t in prefill.items()))
 
 
 if __name__ == "__main__":

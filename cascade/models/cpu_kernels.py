@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cascade.models.exact_fp16 import InexactWeightError, fp16_inexact
+from cascade.models.native import NativeFP16Linear, native_kernels
+
 
 class OneDNNLinear(nn.Module):
     """Inference-only replacement for ``nn.Linear`` holding its weight in oneDNN's blocked layout."""
@@ -48,18 +51,6 @@ class OneDNNLinear(nn.Module):
         shape = x.shape
         y = torch._C._nn.mkldnn_linear(x.reshape(-1, shape[-1]).float().contiguous().to_mkldnn(), self.weight_onednn, self.bias_onednn)
         return y.to_dense().reshape(*shape[:-1], self.out_features).to(x.dtype)
-
-
-def fp16_inexact(weight: torch.Tensor) -> int:
-    """How many values of ``weight`` fp16 cannot represent exactly (out of range, or precision
-    lost below fp16's normal range)."""
-    w = weight.detach().float()
-    back = w.half().float()
-    return int((back != w).sum())
-
-
-class InexactWeightError(ValueError):
-    pass
 
 
 class FP16WeightLinear(nn.Module):
@@ -137,12 +128,15 @@ def use_onednn_linears(model: nn.Module) -> int:
 
 # ---- per (shape, rows) dispatch --------------------------------------------------------------
 # Which kernel is fastest depends on the weight's shape and on how many rows (tokens) a forward
-# multiplies: FBGEMM's fp16-weight GEMM streams half the bytes (decoding, verification), oneDNN's
-# fp32 inner product can win on wide inputs (prefill) and some shapes. A short calibration on
+# multiplies: FBGEMM's fp16-weight GEMM and cascade's native fp16 kernel stream half the bytes
+# (decoding, verification), oneDNN's fp32 inner product can win on wide inputs (prefill) and some
+# shapes. (Mixing kernels by row count gives up the native kernel's row invariance: for bitwise
+# verification use ``dtype="native"`` alone.) A short calibration on
 # this CPU times every candidate for every distinct linear shape at ROW_BUCKETS rows; a forward
 # of r rows then runs the kernel that was fastest at the first bucket >= r (the last beyond it).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-KERNELS = {"fp16w": FP16WeightLinear, "onednn": OneDNNLinear}
+KERNELS = {"fp16w": FP16WeightLinear, "onednn": OneDNNLinear, "native": NativeFP16Linear}
+FP16_KERNELS = ("fp16w", "native")  # kernels that hold the weight in fp16 (offered only where fp16 holds it exactly)
 
 
 def row_bucket(rows: int) -> int:
@@ -155,7 +149,8 @@ def row_bucket(rows: int) -> int:
 
 def available_kernels() -> list[str]:
     """The candidate kernels this torch build / CPU can run."""
-    return [k for k, ok in (("fp16w", fbgemm_available()), ("onednn", onednn_available())) if ok]
+    return [k for k, ok in (("fp16w", fbgemm_available()), ("onednn", onednn_available()),
+                            ("native", native_kernels() is not None)) if ok]
 
 
 def shape_key(linear: nn.Linear) -> str:
@@ -263,17 +258,17 @@ def use_dispatch_linears(model: nn.Module, plan: KernelPlan, kernels: list[str] 
                          repeats: int = 5, log=None) -> dict[str, list[str]]:
     """Swap every ``nn.Linear`` of an fp32 CPU model (in place) for :class:`DispatchLinear` with
     the plan's choice per row bucket, calibrating shapes the plan lacks. A layer whose weights
-    fp16 cannot hold exactly is not offered the fp16w kernel. Returns shape -> choice per bucket."""
+    fp16 cannot hold exactly is not offered the fp16 kernels. Returns shape -> choice per bucket."""
     kernels = available_kernels() if kernels is None else kernels
     if not kernels:
-        raise RuntimeError("neither FBGEMM's fp16 GEMM nor oneDNN is available in this torch build / on this CPU")
+        raise RuntimeError("none of FBGEMM's fp16 GEMM, oneDNN or cascade's native kernels is available here")
     linears = [(parent, name, child) for parent in list(model.modules())
                for name, child in list(parent.named_children()) if type(child) is nn.Linear]
     plan.calibrate([c for _, _, c in linears], kernels, repeats, log)
     chosen: dict[str, list[str]] = {}
     for parent, name, child in linears:
-        allowed = [k for k in kernels if k != "fp16w" or fp16_inexact(child.weight) == 0]
-        if not allowed:  # only fp16w was offered and fp16 cannot hold this layer: keep it exact
+        allowed = [k for k in kernels if k not in FP16_KERNELS or fp16_inexact(child.weight) == 0]
+        if not allowed:  # only fp16 kernels were offered and fp16 cannot hold this layer: keep it exact
             continue
         key = shape_key(child)
         choice = plan.choice(key, allowed)

@@ -13,7 +13,8 @@ from cascade.models.cpu_kernels import (ROW_BUCKETS, KernelPlan, fbgemm_availabl
                                         use_onednn_linears)
 from cascade.models.devices import resolve_device, resolve_dtype
 from cascade.models.lm import CausalLM
-from cascade.models.quantize import bitsandbytes_config, quantize_int8_dynamic, resolve_method
+from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason, use_native_attention
+from cascade.models.quantize import NATIVE_QUANTIZERS, bitsandbytes_config, quantize_int8_dynamic, resolve_method
 from cascade.models.tiny import tiny_llama
 
 log = logging.getLogger(__name__)
@@ -49,15 +50,20 @@ def cpu_has_native_bf16() -> bool:
 
 
 def auto_backend(device: torch.device) -> tuple[torch.dtype | str, bool]:
-    """(dtype, onednn) for ``dtype="auto"``: bf16 on CUDA; on CPUs, fp16 weights with fp32
-    arithmetic through FBGEMM ("fp16w") where torch has it, measured fastest for the 1-12 token
-    forwards decoding and verification run (``experiments/forward_cost.py``, 1.5B target, 2
+    """(dtype, onednn) for ``dtype="auto"``: bf16 on CUDA; on CPUs cascade's native fp16-weight
+    kernel ("native": the checkpoint's weights in fp16, fp32 arithmetic, row-invariant, at the
+    bandwidth floor for 1-4 rows; ``cascade.models.native``) where it builds, else fp16 weights
+    through FBGEMM ("fp16w", the reason logged), measured fastest of torch's kernels for the 1-12
+    token forwards decoding and verification run (``experiments/forward_cost.py``, 1.5B target, 2
     threads, bf16-capable EPYC: 97 ms per token vs 222 ms bf16 and 208 ms fp32+oneDNN; 8 tokens
     186 ms vs 238 and 394); otherwise bf16 on CPUs with native bf16, else fp32 with oneDNN
     linears (on an AVX2-only CPU a 16-token forward costs 8.9x one token in bf16, 2.3x there)."""
     if device.type == "cuda":
         return torch.bfloat16, False
+    if native_kernels() is not None:
+        return "native", False
     if fbgemm_available():
+        log.info("dtype=auto: FBGEMM's fp16w, since cascade's native kernels are unavailable (%s)", unavailable_reason())
         return "fp16w", False
     if cpu_has_native_bf16():
         return torch.bfloat16, False
@@ -79,7 +85,7 @@ def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.devic
 
 def load_model(
     name_or_path: str | Path,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     onednn: bool = False,
     quantize: str | None = None,
@@ -95,7 +101,9 @@ def load_model(
     far less with the number of tokens per forward on CPUs without native bf16; see
     ``cascade.models.cpu_kernels``. ``dtype="fp16w"`` (CPU only) keeps the linear layers'
     weights in fp16 and multiplies in fp32 through FBGEMM (a layer whose weights fp16 cannot hold
-    exactly keeps fp32; logged). ``dtype="auto"`` picks the backend (:func:`auto_backend`).
+    exactly keeps fp32; logged). ``dtype="native"`` (CPU only) does the same through cascade's own
+    row-invariant kernel (``cascade.models.native``; built on first use). ``dtype="auto"`` (the
+    default) picks the backend (:func:`auto_backend`).
 
     ``dtype="dispatch"`` (CPU only) runs each linear layer, per forward, through the exact kernel
     that a calibration on this CPU found fastest for its shape and the forward's row count
@@ -103,13 +111,14 @@ def load_model(
     :func:`kernel_plan_path` and logged; a layer keeps a second copy of its weight only where a
     second kernel wins some row count.
 
-    ``quantize`` ("auto", "int8_dynamic" on CPU, "nf4" on CUDA; see ``cascade.models.quantize``)
-    loads a quantized copy, for drafters. int8_dynamic loads fp32 whatever ``dtype`` says.
+    ``quantize`` ("auto", "int8_dynamic", "int8_native" or "int4_native" on CPU, "nf4" on CUDA;
+    see ``cascade.models.quantize``) loads a quantized copy, for drafters. The CPU methods load
+    fp32 whatever ``dtype`` says.
     """
     device = resolve_device(device)
     if dtype == "auto":  # (a quantized load chooses its own dtype)
         dtype, onednn = auto_backend(device) if quantize is None else (torch.float32, False)
-    backend = dtype if dtype in ("fp16w", "dispatch") else None
+    backend = dtype if dtype in ("fp16w", "dispatch", "native") else None
     if backend is not None:
         if device.type != "cpu" or onednn or quantize is not None:
             raise ValueError(f"dtype={backend!r} is a CPU backend of its own (not with onednn, quantize or CUDA)")
@@ -131,9 +140,15 @@ def load_model(
             log.info("%s: linear %s runs %s", lm.name, key,
                      ", ".join(f"<={b} rows {k}" for b, k in zip(ROW_BUCKETS[:-1] + ("inf",), choice)))
         log.info("kernel plan: %s", plan.path)
-    if backend == "fp16w":
-        swapped, kept = use_fp16_weight_linears(lm.model)
-        log.info("%s: %d linear layers on FBGEMM fp16 weights", lm.name, swapped)
+    if backend in ("fp16w", "native"):
+        if backend == "fp16w":
+            swapped, kept = use_fp16_weight_linears(lm.model)
+        elif native_kernels() is None:
+            raise RuntimeError(f"dtype='native': cascade's native kernels are unavailable ({unavailable_reason()}); use dtype='fp16w'")
+        else:
+            swapped, kept = swap_linears(lm.model, NativeFP16Linear)
+            use_native_attention(lm.model)
+        log.info("%s: %d linear layers on %s fp16 weights", lm.name, swapped, "FBGEMM" if backend == "fp16w" else "native")
         if kept:
             log.warning("%s: %d layers keep fp32 (weights fp16 cannot hold exactly): %s", lm.name, len(kept), kept[:5])
     return lm
@@ -143,6 +158,10 @@ def _load_quantized(name_or_path: str | Path, method: str, device: torch.device)
     if method == "int8_dynamic":
         lm = _load(name_or_path, torch.float32, device)
         quantize_int8_dynamic(lm.model)
+    elif method in NATIVE_QUANTIZERS:
+        lm = _load(name_or_path, torch.float32, device)
+        swapped, kept = NATIVE_QUANTIZERS[method](lm.model)
+        log.info("%s: %d linear layers on %s (%d kept fp32: %s)", lm.name, swapped, method, len(kept), kept[:3])
     else:  # nf4 is applied by transformers while loading: the source must be a checkpoint directory
         text = str(name_or_path)
         source = zoo.fetch(text) if text in zoo.ZOO else Path(text).expanduser()

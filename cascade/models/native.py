@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cascade.models.exact_fp16 import InexactWeightError, fp16_inexact
+
 log = logging.getLogger(__name__)
 
 PANEL = 32  # output columns per packed panel (the kernels' NC)
@@ -78,6 +80,10 @@ def native_kernels():
     if reason:
         log.info("cascade native kernels unavailable: %s", reason)
     return module
+
+
+def _ext():  # the built module (modules hold no reference to it, so that they deep-copy)
+    return _state["module"]
 
 
 def unavailable_reason() -> str | None:
@@ -158,8 +164,7 @@ class _NativeLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.ext = native_kernels()
-        if self.ext is None:
+        if native_kernels() is None:
             raise RuntimeError(f"cascade's native kernels are unavailable: {unavailable_reason()}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
@@ -184,8 +189,6 @@ class NativeFP16Linear(_NativeLinear):
     """fp16 weights (exactly the checkpoint's), fp32 arithmetic, row-invariant."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        from cascade.models.cpu_kernels import InexactWeightError, fp16_inexact
-
         bad = fp16_inexact(linear.weight)
         if bad:
             raise InexactWeightError(f"{bad} weight values are not exactly representable in fp16")
@@ -196,7 +199,7 @@ class NativeFP16Linear(_NativeLinear):
         return _unpanel(self.packed, self.out_features).float()
 
     def _matmul(self, x2d):
-        return self.ext.linear_fp16(x2d, self.packed, self.out_features, self.bias)
+        return _ext().linear_fp16(x2d, self.packed, self.out_features, self.bias)
 
 
 class NativeInt8Linear(_NativeLinear):
@@ -212,7 +215,7 @@ class NativeInt8Linear(_NativeLinear):
         return _unpanel(self.packed, self.out_features).float() * self.scale[: self.out_features, None]
 
     def _matmul(self, x2d):
-        return self.ext.linear_int8(x2d, self.packed, self.scale, self.out_features, self.bias)
+        return _ext().linear_int8(x2d, self.packed, self.scale, self.out_features, self.bias)
 
 
 class NativeInt4Linear(_NativeLinear):
@@ -231,7 +234,42 @@ class NativeInt4Linear(_NativeLinear):
         return q * scale.repeat_interleave(self.group, dim=1)
 
     def _matmul(self, x2d):
-        return self.ext.linear_int4(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
+        return _ext().linear_int4(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
+
+
+ATTENTION = "cascade_native"  # the name the attention function is registered under in transformers
+
+
+def native_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs):
+    """A transformers attention function (``AttentionInterface``) over the native kernel:
+    query [B, H, n, D], key / value [B, Hkv, L, D] (the cache, grouped heads not repeated),
+    attention_mask None (causal: query i sees keys up to L - n + i) or a 4D [B, 1, n, L] mask
+    (additive float 0 / -inf, or boolean: True = visible). Returns ([B, n, H, D], None).
+    Row-invariant: a query's output is bitwise the same whatever the other queries of the call."""
+    if dropout:
+        raise ValueError("native attention is for inference (dropout 0)")
+    for unsupported in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"native attention does not implement {unsupported}")
+    mask = attention_mask
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, float("-inf"))
+        mask = mask.float()
+    scaling = module.scaling if scaling is None else scaling
+    out = _ext().attention(query.float(), key.float(), value.float(), mask, float(scaling))
+    return out.to(query.dtype), None
+
+
+def use_native_attention(model: nn.Module) -> None:
+    """Register :func:`native_attention` with transformers and make ``model`` use it."""
+    from transformers import AttentionInterface
+
+    if native_kernels() is None:
+        raise RuntimeError(f"cascade's native kernels are unavailable: {unavailable_reason()}")
+    AttentionInterface.register(ATTENTION, native_attention)
+    model.config._attn_implementation = ATTENTION
 
 
 def swap_linears(model: nn.Module, make) -> tuple[int, list[str]]:

@@ -8,6 +8,12 @@ Methods:
                     1.33 ms per token (fp32 7.7, bf16 4.2, torchao int8 weight-only bf16 9.7,
                     torchao int8 dynamic 15-18 ms; torchao 0.18 also prints load errors for its
                     CUDA extensions at import). Needs an fp32 model.
+    "int8_native"   CPU. cascade's own weight-only kernel (``cascade.models.native``): int8 weights
+                    with one scale per output channel, fp32 activations and arithmetic; reads a
+                    quarter of fp32's bytes and keeps the activations unrounded.
+    "int4_native"   CPU. The same with int4 weights, one scale per output column and group of 64
+                    along K (an eighth of fp32's bytes); a layer whose K is not a multiple of 64
+                    keeps fp32.
     "nf4"           CUDA. bitsandbytes 4-bit NF4 through transformers' ``BitsAndBytesConfig``
                     (bf16 compute), applied while loading.
     "auto"          nf4 on CUDA, int8_dynamic on CPU.
@@ -26,7 +32,8 @@ import warnings
 
 import torch
 
-METHODS = ("auto", "int8_dynamic", "nf4")
+METHODS = ("auto", "int8_dynamic", "int8_native", "int4_native", "nf4")
+CPU_METHODS = ("int8_dynamic", "int8_native", "int4_native")
 
 
 def resolve_method(method: str, device: torch.device) -> str:
@@ -36,9 +43,49 @@ def resolve_method(method: str, device: torch.device) -> str:
         return "nf4" if device.type == "cuda" else "int8_dynamic"
     if method == "nf4" and device.type != "cuda":
         raise ValueError("quantize='nf4' (bitsandbytes 4-bit) needs a CUDA device; on CPU use 'int8_dynamic'")
-    if method == "int8_dynamic" and device.type != "cpu":
-        raise ValueError("quantize='int8_dynamic' (PyTorch dynamic int8) runs on CPU only; on CUDA use 'nf4'")
+    if method in CPU_METHODS and device.type != "cpu":
+        raise ValueError(f"quantize={method!r} runs on CPU only; on CUDA use 'nf4'")
     return method
+
+
+def _native_swap(make):
+    def swap(model: torch.nn.Module) -> tuple[int, list[str]]:
+        from cascade.models.native import native_kernels, swap_linears, unavailable_reason
+
+        if native_kernels() is None:
+            raise RuntimeError(f"cascade's native kernels are unavailable ({unavailable_reason()}); use 'int8_dynamic'")
+        return swap_linears(model, make())
+    return swap
+
+
+def _int8_native():
+    from cascade.models.native import NativeInt8Linear
+    return NativeInt8Linear
+
+
+def _int4_native():
+    from cascade.models.native import NativeInt4Linear
+    return NativeInt4Linear
+
+
+# method -> (fp32 model -> (swapped, kept)): the weight-only quantizers of cascade's native kernels
+NATIVE_QUANTIZERS = {"int8_native": _native_swap(_int8_native), "int4_native": _native_swap(_int4_native)}
+
+
+def dense_linears(model: torch.nn.Module) -> int:
+    """Replace (in place) every swapped linear layer (a module with ``dense_state()``: fp16w,
+    oneDNN, native, dispatch) by the plain fp32 ``nn.Linear`` it holds, so that a quantizer sees
+    the model's own weights. Returns the count."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if hasattr(child, "dense_state") and isinstance(getattr(child, "in_features", None), int):
+                state = child.dense_state()
+                lin = torch.nn.Linear(child.in_features, child.out_features, bias="bias" in state)
+                lin.load_state_dict(state)
+                setattr(parent, name, lin)
+                count += 1
+    return count
 
 
 def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
@@ -56,18 +103,23 @@ def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def quantized_copy(lm, method: str = "auto"):
-    """A quantized copy of an already loaded ``CausalLM`` (the original is untouched). Only
-    int8_dynamic can quantize a loaded model; nf4 is applied while loading (``load_model(...,
-    quantize="nf4")``)."""
+    """A quantized copy of an already loaded ``CausalLM`` (the original is untouched). The CPU
+    methods quantize a loaded model (its swapped kernels are first turned back into the plain
+    fp32 linears they hold); nf4 is applied while loading (``load_model(..., quantize="nf4")``)."""
     from cascade.models.lm import CausalLM
 
     method = resolve_method(method, lm.device)
-    if method != "int8_dynamic":
+    if method not in CPU_METHODS:
         raise ValueError("nf4 quantizes while loading: use load_model(name, quantize='nf4')")
-    if any(type(m).__name__ == "OneDNNLinear" for m in lm.model.modules()):
-        raise ValueError(f"{lm.name!r} runs oneDNN linears; load a plain copy (load_model(name, quantize='int8_dynamic'))")
+    if any(type(m).__name__ == "OneDNNLinear" for m in lm.model.modules()):  # oneDNN tensors do not deep-copy
+        raise ValueError(f"{lm.name!r} runs oneDNN linears; load a plain copy (load_model(name, quantize={method!r}))")
     model = copy.deepcopy(lm.model).float()
-    return CausalLM(quantize_int8_dynamic(model), lm.tokenizer, f"{lm.name}[{method}]")
+    dense_linears(model)
+    if method == "int8_dynamic":
+        quantize_int8_dynamic(model)
+    else:
+        NATIVE_QUANTIZERS[method](model)
+    return CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
 
 
 def bitsandbytes_config():

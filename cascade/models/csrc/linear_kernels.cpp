@@ -30,8 +30,11 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -447,6 +450,131 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   return y;
 }
 
+// ---- attention over the cache, few queries --------------------------------------------------
+// out[i, h] = sum_j softmax_j(scaling * q[h, i] . k[g, j] + mask[i, j]) v[g, j], g = h / (H / Hkv),
+// over the keys j query i may see (mask > -inf; without a mask the causal limit j <= L - n + i).
+// Row-invariant like the linears: each (query, head) is computed alone in one fixed order (the
+// dot over D in vector lanes then a fixed lane reduction; the softmax's max and sum and the
+// weighted sum of values sequential over the visible keys), so a query's output does not depend
+// on how many other queries share the call, and keys it may not see are skipped rather than
+// weighted by zero.
+
+__attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  if (d < D) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  float s = 0.0f;
+  for (int l = 0; l < 16; ++l) s += lanes[l];
+  return s;
+}
+
+__attribute__((target("avx512f"))) void axpy_avx512(float p, const float* v, float* acc, int64_t D) {
+  const __m512 pb = _mm512_set1_ps(p);
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pb, _mm512_loadu_ps(v + d), _mm512_loadu_ps(acc + d)));
+  if (d < D) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1);
+    _mm512_mask_storeu_ps(acc + d, m, _mm512_fmadd_ps(pb, _mm512_maskz_loadu_ps(m, v + d), _mm512_maskz_loadu_ps(m, acc + d)));
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (; d < D; ++d) lanes[d % 8] = std::fma(a[d], b[d], lanes[d % 8]);
+  float s = 0.0f;
+  for (int l = 0; l < 8; ++l) s += lanes[l];
+  return s;
+}
+
+__attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float p, const float* v, float* acc, int64_t D) {
+  const __m256 pb = _mm256_set1_ps(p);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+  for (; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask, double scaling) {
+  TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, heads, length, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+              "q, k, v must be fp32");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "q, k, v need unit stride along D");
+  const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == L && k.size(3) == D && v.size(3) == D,
+              "k and v must be [B, Hkv, L, D] like q's D");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads (", H, ") must be a multiple of key/value heads (", Hkv, ")");
+  TORCH_CHECK(n <= L, "more queries (", n, ") than keys (", L, ")");
+  const float* mp = nullptr;
+  int64_t ms_b = 0, ms_i = 0, ms_j = 0;
+  if (mask) {
+    TORCH_CHECK(mask->dim() == 4 && mask->scalar_type() == torch::kFloat32 && mask->size(1) == 1 && mask->size(2) == n &&
+                    mask->size(3) == L && (mask->size(0) == B || mask->size(0) == 1),
+                "mask must be [B or 1, 1, n, L] fp32 (0 / -inf)");
+    mp = mask->data_ptr<float>();
+    ms_b = mask->size(0) == 1 ? 0 : mask->stride(0);
+    ms_i = mask->stride(2);
+    ms_j = mask->stride(3);
+  }
+  auto out = torch::empty({B, n, H, D}, q.options());  // the layout transformers' attention functions return
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv;
+  const bool wide = isa() == Isa::avx512;
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> score(L);
+    std::vector<float> acc(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H, g = h / group;
+      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + g * v.stride(1);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* qi = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        const float* mi = mp ? mp + b * ms_b + i * ms_i : nullptr;
+        const int64_t limit = mp ? L : L - n + i + 1;  // keys 0 .. limit-1 are candidates
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < limit; ++j) {
+          const float add = mi ? mi[j * ms_j] : 0.0f;
+          if (add == -std::numeric_limits<float>::infinity()) {
+            score[j] = add;
+            continue;
+          }
+          const float* kj = kb + j * k.stride(2);
+          const float s = (wide ? dot_avx512(qi, kj, D) : dot_avx2(qi, kj, D)) * scale + add;
+          score[j] = s;
+          top = std::max(top, s);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float total = 0.0f;
+        for (int64_t j = 0; j < limit; ++j) {
+          if (score[j] == -std::numeric_limits<float>::infinity()) continue;
+          const float p = std::exp(score[j] - top);
+          total += p;
+          const float* vj = vb + j * v.stride(2);
+          if (wide) axpy_avx512(p, vj, acc.data(), D);
+          else axpy_avx2(p, vj, acc.data(), D);
+        }
+        float* oi = op + ((b * n + i) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) oi[d] = acc[d] / total;
+      }
+    }
+  });
+  return out;
+}
+
 std::string isa_name() {
   switch (isa()) {
     case Isa::avx512: return "avx512";
@@ -463,6 +591,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("n"), py::arg("bias") = py::none());
   m.def("linear_int8", &linear_int8, "y = (x @ Q^T) * scale (+ bias), Q packed int8 [P, K, 32]", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("attention", &attention, "softmax(scaling q k^T + mask) v over the cache, [B, n, H, D] out; no mask: causal",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scaling") = 1.0);
   m.def("linear_int4", &linear_int4, "y = x @ ((Q - 8) * s)^T (+ bias), Q packed int4 [P, K, 16]", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("n"), py::arg("bias") = py::none());
 }
