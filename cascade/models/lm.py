@@ -16,9 +16,89 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
+from cascade.models.lean import LeanDecoder
+
 # ``return_hidden=FINAL_HIDDEN``: the last layer's hidden states after the final norm, i.e. the LM
 # head's input (the features an EAGLE-style draft head reads).
 FINAL_HIDDEN = -1
+
+INITIAL_CAPACITY = 256  # positions a cache layer's buffer holds before it first doubles
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in a buffer [B, Hkv, capacity, D] that doubles
+    when full: appending n positions writes them in place, where ``DynamicLayer`` concatenates
+    the whole cache (every layer, every token). ``keys`` / ``values`` are views of the filled
+    part; crop shortens the filled part; assigning them (transformers' resets) copies in."""
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None  # [B, Hkv, capacity, D]
+        self._v: torch.Tensor | None = None
+        self.length = 0
+        super().__init__()
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._assign("_k", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._assign("_v", value)
+
+    @torch.inference_mode()  # the buffers are inference tensors (made inside forwards)
+    def _assign(self, buffer: str, value: torch.Tensor | None) -> None:
+        if value is None or value.numel() == 0:
+            if value is None:
+                setattr(self, buffer, None)
+            self.length = 0
+            return
+        self._reserve(value, value.shape[-2])
+        getattr(self, buffer)[:, :, : value.shape[-2]].copy_(value)
+        self.length = value.shape[-2]
+
+    def _reserve(self, like: torch.Tensor, needed: int) -> None:
+        for name in ("_k", "_v"):
+            buf = getattr(self, name)
+            if buf is None or buf.shape[2] < needed:
+                capacity = max(INITIAL_CAPACITY, needed, 2 * (0 if buf is None else buf.shape[2]))
+                grown = like.new_empty(*like.shape[:2], capacity, like.shape[-1])
+                if buf is not None:
+                    grown[:, :, : self.length].copy_(buf[:, :, : self.length])
+                setattr(self, name, grown)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    @torch.inference_mode()
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._reserve(key_states, self.length + n)
+        self._k[:, :, self.length: self.length + n].copy_(key_states)
+        self._v[:, :, self.length: self.length + n].copy_(value_states)
+        self.length += n
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of positions to remove (as transformers' DynamicLayer)")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
 
 
 @dataclass
@@ -26,6 +106,7 @@ class CausalLM:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     name: str
+    lean: LeanDecoder | None = None  # the lean forward (native backends; ``cascade.models.lean``), else transformers'
 
     # ---- facts -------------------------------------------------------------------------
     @property
@@ -56,7 +137,8 @@ class CausalLM:
 
     # ---- cache ---------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
-        """A fresh KV cache. Refuses models with sliding-window layers: cropping and compacting
+        """A fresh KV cache: a ``DynamicCache`` whose layers are :class:`PreallocatedLayer`
+        (appends in place). Refuses models with sliding-window layers: cropping and compacting
         such a layer would leave its bookkeeping (``cumulative_length``) stale."""
         cache = DynamicCache(config=self.model.config)
         sliding = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
@@ -65,6 +147,7 @@ class CausalLM:
                 f"model {self.name!r} has cache layers {sorted(set(sliding))} (sliding-window attention): "
                 "cascade crops and compacts KV caches to accepted prefixes, which these layers do not support yet"
             )
+        cache.layers = [PreallocatedLayer() for _ in cache.layers]
         return cache
 
     @staticmethod
@@ -94,9 +177,11 @@ class CausalLM:
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
                 continue
             if idx is None or idx.device != layer.keys.device:
-                idx = torch.tensor(list(range(past)) + [past + k for k in keep], device=layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
+                idx = torch.tensor(keep, device=layer.keys.device)
+            kept_keys = layer.keys[..., past:, :].index_select(-2, idx)  # [B, Hkv, len(keep), D]
+            kept_values = layer.values[..., past:, :].index_select(-2, idx)
+            layer.crop(past - int(layer.get_seq_length()))
+            layer.update(kept_keys, kept_values)
 
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -122,6 +207,12 @@ class CausalLM:
         if position_ids is None:
             start = self.cache_len(cache)
             position_ids = torch.arange(start, start + n, device=self.device)
+        layers = int(self.model.config.num_hidden_layers)
+        if return_hidden is not None and return_hidden != FINAL_HIDDEN and not 1 <= return_hidden < layers:
+            raise ValueError(f"return_hidden must name a layer in [1, {layers - 1}] or be FINAL_HIDDEN (-1), got {return_hidden}")
+        if self.lean is not None:
+            return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(self.device), attention_mask,
+                                     keep_last, return_hidden)
         out = self.model(
             input_ids=ids,
             cache=cache,
@@ -133,9 +224,6 @@ class CausalLM:
         )
         if return_hidden is None:
             return out.logits[0]  # [n, V] or [keep_last, V]
-        layers = int(self.model.config.num_hidden_layers)
-        if return_hidden != FINAL_HIDDEN and not 1 <= return_hidden < layers:
-            raise ValueError(f"return_hidden must name a layer in [1, {layers - 1}] or be FINAL_HIDDEN (-1), got {return_hidden}")
         return out.logits[0], out.hidden_states[return_hidden][0]  # [n, V], [n, H]
 
     def top2_gap(self, ids: list[int]) -> float:

@@ -12,6 +12,7 @@ from cascade.models import zoo
 from cascade.models.cpu_kernels import (ROW_BUCKETS, KernelPlan, fbgemm_available, use_dispatch_linears, use_fp16_weight_linears,
                                         use_onednn_linears)
 from cascade.models.devices import resolve_device, resolve_dtype
+from cascade.models.lean import LeanDecoder, lean_unsupported
 from cascade.models.lm import CausalLM
 from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason, use_native_attention
 from cascade.models.quantize import NATIVE_QUANTIZERS, bitsandbytes_config, quantize_int8_dynamic, resolve_method
@@ -68,6 +69,17 @@ def auto_backend(device: torch.device) -> tuple[torch.dtype | str, bool]:
     if cpu_has_native_bf16():
         return torch.bfloat16, False
     return torch.float32, True
+
+
+def attach_lean(lm: CausalLM) -> None:
+    """Run ``lm`` (its linears on native kernels) with the native attention and, where the
+    architecture allows, the lean forward (``cascade.models.lean``; the reason is logged where not)."""
+    use_native_attention(lm.model)
+    reason = lean_unsupported(lm.model)
+    if reason is None:
+        lm.lean = LeanDecoder(lm.model)
+    else:
+        log.info("%s: transformers' forward (the lean forward does not apply: %s)", lm.name, reason)
 
 
 def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.device, **kwargs) -> CausalLM:
@@ -147,7 +159,7 @@ def load_model(
             raise RuntimeError(f"dtype='native': cascade's native kernels are unavailable ({unavailable_reason()}); use dtype='fp16w'")
         else:
             swapped, kept = swap_linears(lm.model, NativeFP16Linear)
-            use_native_attention(lm.model)
+            attach_lean(lm)
         log.info("%s: %d linear layers on %s fp16 weights", lm.name, swapped, "FBGEMM" if backend == "fp16w" else "native")
         if kept:
             log.warning("%s: %d layers keep fp32 (weights fp16 cannot hold exactly): %s", lm.name, len(kept), kept[:5])
@@ -162,6 +174,7 @@ def _load_quantized(name_or_path: str | Path, method: str, device: torch.device)
         lm = _load(name_or_path, torch.float32, device)
         swapped, kept = NATIVE_QUANTIZERS[method](lm.model)
         log.info("%s: %d linear layers on %s (%d kept fp32: %s)", lm.name, swapped, method, len(kept), kept[:3])
+        attach_lean(lm)
     else:  # nf4 is applied by transformers while loading: the source must be a checkpoint directory
         text = str(name_or_path)
         source = zoo.fetch(text) if text in zoo.ZOO else Path(text).expanduser()

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 PANEL = 32  # output columns per packed panel (the kernels' NC)
 INT4_GROUP = 64  # K values per int4 scale
 SOURCE = Path(__file__).with_name("csrc") / "linear_kernels.cpp"
+# -ffp-contract=off: no multiply-add the source does not spell out is fused (the kernels' stated
+# order of operations, and so their row invariance, must not depend on the compiler's choices)
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 _state: dict[str, object] = {}
 
@@ -50,7 +53,7 @@ _state: dict[str, object] = {}
 def _build_dir() -> Path:
     from cascade.models import zoo
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
     return zoo.cache_root() / "native" / f"torch{torch.__version__}-{digest}"
 
 
@@ -71,7 +74,7 @@ def native_kernels():
             build = _build_dir()
             build.mkdir(parents=True, exist_ok=True)
             module = load(name="cascade_native", sources=[str(SOURCE)], build_directory=str(build),
-                          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
             if module.isa() == "none":
                 module, reason = None, "this CPU has neither AVX-512 nor AVX2 + FMA + F16C"
         except Exception as exc:  # no compiler, missing headers, a failed build: fall back, say why

@@ -117,9 +117,13 @@ def quantized_copy(lm, method: str = "auto"):
     dense_linears(model)
     if method == "int8_dynamic":
         quantize_int8_dynamic(model)
-    else:
-        NATIVE_QUANTIZERS[method](model)
-    return CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
+        return CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
+    from cascade.models.loading import attach_lean
+
+    NATIVE_QUANTIZERS[method](model)
+    copy_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
+    attach_lean(copy_lm)
+    return copy_lm
 
 
 def bitsandbytes_config():

@@ -277,7 +277,7 @@ void for_panels(int64_t P, Fn&& fn) {
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && (x.stride(1) == 1 || x.size(1) == 1),
               "x must be a 2-D fp32 tensor with unit stride along K");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) * (packed.scalar_type() == torch::kUInt8 ? 2 : 1) == NC,
               "packed weight must be [P, K, 32] (int4: [P, K, 16])");
@@ -452,7 +452,8 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
 
 // ---- attention over the cache, few queries --------------------------------------------------
 // out[i, h] = sum_j softmax_j(scaling * q[h, i] . k[g, j] + mask[i, j]) v[g, j], g = h / (H / Hkv),
-// over the keys j query i may see (mask > -inf; without a mask the causal limit j <= L - n + i).
+// over the keys j query i may see (mask above -FLT_MAX / 2; without a mask the causal limit
+// j <= L - n + i).
 // Row-invariant like the linears: each (query, head) is computed alone in one fixed order (the
 // dot over D in vector lanes then a fixed lane reduction; the softmax's max and sum and the
 // weighted sum of values sequential over the visible keys), so a query's output does not depend
@@ -534,6 +535,9 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const int64_t group = H / Hkv;
   const bool wide = isa() == Isa::avx512;
   const float scale = static_cast<float>(scaling);
+  // mask values at or below this hide a key: its weight exp(score - max) would be exactly 0, so
+  // skipping it gives the same sums (a mask may write -inf or the dtype's lowest value)
+  const float hidden = -std::numeric_limits<float>::max() / 2;
   at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> score(L);
     std::vector<float> acc(D);
@@ -548,8 +552,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < limit; ++j) {
           const float add = mi ? mi[j * ms_j] : 0.0f;
-          if (add == -std::numeric_limits<float>::infinity()) {
-            score[j] = add;
+          if (add <= hidden) {  // a key this query may not see (-inf, or the dtype's min as transformers writes it)
+            score[j] = -std::numeric_limits<float>::infinity();
             continue;
           }
           const float* kj = kb + j * k.stride(2);

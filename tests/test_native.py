@@ -1,0 +1,324 @@
+"""cascade's native CPU kernels (cascade/models/native.py, csrc/linear_kernels.cpp) and the lean
+forward: accuracy against an fp64 reference within the stated fp32 bound on every linear shape
+the zoo's models use, odd sizes, 1-32 rows and non-contiguous inputs; bitwise row invariance
+(row i of an M-row call is the 1-row call on row i, M = 1..32) for the linears and the attention
+over the cache; the lean forward bitwise equal to transformers' forward on the same kernels
+(chains, tree masks, hidden states, crop and compaction); greedy equality of speculative
+decoding on the backend; the fallback when the extension is disabled.
+
+The extension is built on first use (about 30 s). On an x86 machine a build failure fails these
+tests (CI must build it); elsewhere, or with CASCADE_NATIVE=0, they skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from cascade.models.native import (NativeFP16Linear, NativeInt4Linear, NativeInt8Linear, fp32_sum_bound, native_kernels,
+                                   native_attention, swap_linears, unavailable_reason)
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+DISABLED = os.environ.get("CASCADE_NATIVE", "1") == "0"
+pytestmark = pytest.mark.skipif(DISABLED or not X86, reason="native kernels disabled (CASCADE_NATIVE=0) or not x86")
+
+# (in, out) of every linear layer of the zoo's models (SmolLM2-135M, Qwen2.5-Coder-0.5B, -1.5B),
+# the LM heads included, then odd sizes (tails of a 32-column panel, K of 1)
+MODEL_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152),
+                (896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936),
+                (1536, 1536), (1536, 256), (1536, 8960), (8960, 1536), (1536, 151936)]
+ODD_SHAPES = [(37, 45), (1, 17), (64, 33), (130, 7), (8, 16)]
+HEADS = {(576, 49152), (896, 151936), (1536, 151936)}
+
+
+def test_extension_builds_here():
+    assert native_kernels() is not None, f"native kernels unavailable: {unavailable_reason()}"
+    assert native_kernels().isa() in ("avx512", "avx2")
+
+
+def _fp16_linear(k: int, n: int, bias: bool, seed: int) -> nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_((torch.randn(n, k, generator=gen) * 0.05).half().float())
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=gen))
+    return lin
+
+
+def _within_bound(y: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> bool:
+    """|y - x.W^T - b| <= gamma_K sum_k |x_k w_k| + (the bias add's rounding)."""
+    w = lin.weight.double()
+    ref = x.double() @ w.T
+    bound = fp32_sum_bound(x.shape[-1]) * (x.double().abs() @ w.abs().T)
+    if lin.bias is not None:
+        ref = ref + lin.bias.double()
+        bound = bound + 2.0 ** -24 * ref.abs()
+    return bool(((y.double() - ref).abs() <= bound * (1 + 1e-9) + 1e-38).all())
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fp16_linear_within_fp32_bound(shape):
+    k, n = shape
+    lin = _fp16_linear(k, n, bias=shape in ODD_SHAPES or n == 256, seed=k + n)
+    native = NativeFP16Linear(lin)
+    rows = (1, 3) if shape in HEADS else (1, 2, 5, 8, 13, 32)
+    gen = torch.Generator().manual_seed(1)
+    for m in rows:
+        x = torch.randn(m, k, generator=gen)
+        assert _within_bound(native(x), x, lin), (shape, m)
+    for x in (torch.randn(3, 2 * k, generator=gen)[:, ::2], torch.randn(k, 3, generator=gen).T):  # strided along K, transposed
+        assert (k == 1 or not x.is_contiguous()) and _within_bound(native(x), x, lin)
+    x3 = torch.randn(2, 3, k, generator=gen)  # [..., in] inputs keep their leading shape
+    assert native(x3).shape == (2, 3, n) and _within_bound(native(x3).reshape(6, n), x3.reshape(6, k), lin)
+    assert torch.equal(native.dense_state()["weight"], lin.weight.detach())
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("shape", [(1536, 256), (896, 4864), (64, 45), (128, 33)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_rows_are_bitwise_invariant(kind, shape):
+    """Row i of an M-row call equals the 1-row call on row i, bit for bit, for M = 1..32."""
+    k, n = shape
+    lin = _fp16_linear(k, n, bias=True, seed=3)
+    module = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear}[kind](lin)
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(2))
+    singles = torch.cat([module(x[i:i + 1]) for i in range(32)])
+    for m in range(1, 33):
+        assert torch.equal(module(x[:m]), singles[:m]), m
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_kernels_multiply_their_dequantized_weights(kind):
+    k, n = (256, 70)
+    lin = _fp16_linear(k, n, bias=True, seed=5)
+    module = {"int8": NativeInt8Linear, "int4": NativeInt4Linear}[kind](lin)
+    dense = module.dense_weight()
+    w = lin.weight.detach()
+    if kind == "int8":  # per channel: |w - deq| <= scale / 2
+        assert ((dense - w).abs() <= module.scale[:n, None] / 2 * (1 + 1e-6)).all()
+    else:  # per (column, group of 64): |w - deq| <= scale / 2
+        groups = w.reshape(n, k // 64, 64).abs().amax(-1) / 7
+        assert ((dense - w).abs().reshape(n, k // 64, 64) <= groups[..., None] / 2 * (1 + 1e-5)).all()
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(6))
+    ref = x.double() @ dense.double().T + lin.bias.double()
+    tol = 4 * fp32_sum_bound(k) * (x.double().abs() @ dense.double().abs().T) + 1e-6 * ref.abs()
+    assert ((module(x).double() - ref).abs() <= tol).all()
+
+
+def test_int4_refuses_k_off_the_group():
+    with pytest.raises(ValueError, match="divisible by 64"):
+        NativeInt4Linear(nn.Linear(100, 32))
+
+
+def _reference_attention(q, k, v, mask, scaling):  # fp64: [1, H, n, D], [1, Hkv, L, D] -> [1, n, H, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).double(), v.repeat_interleave(group, dim=1).double()
+    s = (q.double() @ k.transpose(-1, -2)) * scaling
+    n, L = q.shape[2], k.shape[2]
+    if mask is None:
+        mask = torch.full((n, L), float("-inf")).triu(L - n + 1)[None, None]
+    p = torch.softmax(s + mask.double(), dim=-1)
+    return (p @ v).transpose(1, 2)
+
+
+class _Attn(nn.Module):
+    scaling = 0.125
+
+
+def test_attention_matches_reference_and_is_row_invariant():
+    gen = torch.Generator().manual_seed(7)
+    H, Hkv, D, past, n = 6, 2, 72, 40, 9  # D not a multiple of 16: the tail lanes
+    buf_k = torch.randn(1, Hkv, 128, D, generator=gen)  # a cache buffer, read through a strided view
+    buf_v = torch.randn(1, Hkv, 128, D, generator=gen)
+    keys, values = buf_k[:, :, : past + n], buf_v[:, :, : past + n]
+    q = torch.randn(1, n, H, D, generator=gen).transpose(1, 2)  # [1, H, n, D] as transformers passes it
+    out, _ = native_attention(_Attn(), q, keys, values, None)
+    ref = _reference_attention(q, keys, values, None, 0.125)
+    assert (out.double() - ref).abs().max() < 1e-5
+    for i in range(n):  # query i alone over the keys it sees == query i inside the n-query call
+        one, _ = native_attention(_Attn(), q[:, :, i:i + 1], keys[:, :, : past + i + 1], values[:, :, : past + i + 1], None)
+        assert torch.equal(one[:, 0], out[:, i]), i
+    # a tree mask: query i sees the past and an arbitrary subset of the block that includes itself
+    visible = torch.rand(n, n, generator=gen) < 0.5
+    visible |= torch.eye(n, dtype=torch.bool)
+    mask = torch.zeros(1, 1, n, past + n)
+    mask[0, 0, :, past:] = torch.where(visible, 0.0, float("-inf"))
+    tree, _ = native_attention(_Attn(), q, keys, values, mask)
+    lowest = mask.clamp(min=torch.finfo(torch.float32).min)  # transformers' way of writing "hidden"
+    assert torch.equal(native_attention(_Attn(), q, keys, values, lowest)[0], tree)
+    assert (tree.double() - _reference_attention(q, keys, values, mask, 0.125)).abs().max() < 1e-5
+    boolean, _ = native_attention(_Attn(), q, keys, values, mask == 0)
+    assert torch.equal(boolean, tree)
+    for i in range(n):  # the same query over only the keys it sees (in order): bitwise the same
+        idx = torch.cat([torch.arange(past), past + visible[i].nonzero()[:, 0]])
+        alone, _ = native_attention(_Attn(), q[:, :, i:i + 1], keys[:, :, idx], values[:, :, idx], None)
+        assert torch.equal(alone[:, 0], tree[:, i]), i
+
+
+# ---- the backend on a model ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_native():
+    """A tiny random Llama whose weights fp16 holds exactly (as the zoo's bf16 checkpoints), on
+    the native backend as ``load_model(dtype="native")`` sets it up."""
+    from cascade.models.loading import attach_lean
+    from cascade.models.tiny import tiny_llama
+
+    lm = tiny_llama(vocab_size=256, num_layers=4, seed=0, dtype=torch.float32, device="cpu", name="tiny:0 fp16-exact")
+    with torch.no_grad():
+        for p in lm.model.parameters():
+            p.copy_(p.half().float())
+    swapped, kept = swap_linears(lm.model, NativeFP16Linear)
+    assert kept == [] and swapped == 4 * 7 + 1
+    attach_lean(lm)
+    return lm
+
+
+def test_tiny_model_runs_the_lean_forward(tiny_native):
+    from cascade.models.lean import LeanDecoder
+
+    assert isinstance(tiny_native.lean, LeanDecoder)
+    assert tiny_native.model.config._attn_implementation == "cascade_native"
+
+
+def _both_paths(lm, fn):
+    """fn(lm) with the lean forward and with transformers' forward on the same modules."""
+    lean = lm.lean
+    try:
+        a = fn(lm)
+        lm.lean = None
+        b = fn(lm)
+    finally:
+        lm.lean = lean
+    return a, b
+
+
+def test_lean_forward_is_bitwise_transformers_forward(tiny_native):
+    from cascade.models.lm import FINAL_HIDDEN
+    from cascade.tree import tree_mask, tree_positions
+
+    prompt, block = list(range(3, 40)), [5, 9, 11, 200, 17, 30]
+
+    def chain(lm):
+        cache = lm.new_cache()
+        first = lm.forward(prompt, cache)
+        logits, hidden = lm.forward(block, cache, return_hidden=2)
+        _, final = lm.forward([7], cache, return_hidden=FINAL_HIDDEN)
+        return first, logits, hidden, final, lm.cache_len(cache)
+
+    for a, b in zip(*_both_paths(tiny_native, chain)):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+    parents = [-1, 0, 0, 1, 1, 2]  # a tree of six nodes under the root (block[0]), verified in one forward then compacted
+
+    def tree(lm):
+        cache = lm.new_cache()
+        lm.forward(prompt, cache)
+        past = lm.cache_len(cache)
+        tokens = block + [23]  # [root] + nodes
+        logits = lm.forward(tokens, cache, position_ids=tree_positions(parents, past), attention_mask=tree_mask(parents, past))
+        lm.compact(cache, past, [0, 1, 3, 6])
+        after = lm.forward([19], cache)
+        return logits, after
+
+    for a, b in zip(*_both_paths(tiny_native, tree)):
+        assert torch.equal(a, b)
+
+
+def test_k_token_forward_is_k_single_steps_bitwise(tiny_native):
+    """The whole forward on the native backend is row-invariant: a verification forward over k
+    tokens gives bitwise the logits of k one-token steps (k = 2..16)."""
+    lm = tiny_native
+    cache = lm.new_cache()
+    lm.forward(list(range(10, 60)), cache)
+    past = lm.cache_len(cache)
+    block = [(37 * i + 11) % 256 for i in range(16)]
+    singles = torch.cat([lm.forward([t], cache) for t in block])
+    for k in range(2, 17):
+        lm.crop(cache, past)
+        assert torch.equal(lm.forward(block[:k], cache), singles[:k]), k
+
+
+def test_cache_grows_crops_and_compacts_like_transformers():
+    from transformers.cache_utils import DynamicLayer
+
+    from cascade.models.lm import INITIAL_CAPACITY, CausalLM, PreallocatedLayer
+
+    gen = torch.Generator().manual_seed(4)
+    pre, dyn = PreallocatedLayer(), DynamicLayer()
+    for n in (100, INITIAL_CAPACITY, 3, 70):  # grows twice
+        k, v = torch.randn(1, 2, n, 8, generator=gen), torch.randn(1, 2, n, 8, generator=gen)
+        for layer in (pre, dyn):
+            layer.update(k, v)
+    assert torch.equal(pre.keys, dyn.keys) and torch.equal(pre.values, dyn.values)
+    pre.crop(-50), dyn.crop(-50)
+    assert pre.get_seq_length() == dyn.get_seq_length() == 100 + INITIAL_CAPACITY + 3 + 20
+    assert torch.equal(pre.keys, dyn.keys)
+
+    class Holder:
+        layers = [pre, dyn]
+
+    past = pre.get_seq_length() - 10
+    CausalLM.compact(Holder, past, [1, 4, 9])
+    assert pre.get_seq_length() == dyn.get_seq_length() == past + 3
+    assert torch.equal(pre.keys, dyn.keys) and torch.equal(pre.values, dyn.values)
+
+
+def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
+    from cascade import generate
+    from cascade.cascades import VerticalCascade
+    from cascade.drafters import NGramDrafter, QuantizedLMDrafter, SmallLMDrafter
+    from cascade.tree_drafter import TreeDrafter
+    from cascade.trees import DynamicTreePolicy, StaticTreePolicy
+
+    lm = tiny_native
+    prompt = [1, 5, 9, 14, 5, 9, 14, 5, 9]
+    ar = generate(lm, prompt, drafter=None, max_new_tokens=40).tokens
+    drafters = {
+        "chain": lambda: SmallLMDrafter(lm, k=5),
+        "int8 native": lambda: QuantizedLMDrafter(lm, "int8_native", k=4),
+        "int4 native": lambda: QuantizedLMDrafter(lm, "int4_native", k=3) if lm.model.config.hidden_size % 64 == 0
+        else QuantizedLMDrafter(lm, "int8_native", k=3),
+        "cascade": lambda: VerticalCascade([SmallLMDrafter(lm, k=5), NGramDrafter(k=2)]),
+        "static tree": lambda: TreeDrafter([SmallLMDrafter(lm)], StaticTreePolicy((2, 2, 1))),
+        "dytc": lambda: TreeDrafter([SmallLMDrafter(lm), NGramDrafter(k=1)],
+                                    DynamicTreePolicy(t_min=0.02, max_nodes=12, max_depth=4, max_rank=2,
+                                                      prior_drafter_cost=0.05, measure_costs=False)),
+    }
+    for name, make in drafters.items():
+        out = generate(lm, prompt, drafter=make(), max_new_tokens=40)
+        assert out.tokens == ar, name
+        assert sum(s.accepted for s in out.steps) > 0, name  # the drafts were used, not all rejected
+
+
+def test_disabled_extension_falls_back_to_fbgemm():
+    code = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from cascade.models.loading import auto_backend, load_model\n"
+        "from cascade.models.cpu_kernels import fbgemm_available\n"
+        "from cascade.models.native import native_kernels, unavailable_reason\n"
+        "assert native_kernels() is None and 'CASCADE_NATIVE=0' in unavailable_reason()\n"
+        "expected = 'fp16w' if fbgemm_available() else None\n"
+        "got = auto_backend(torch.device('cpu'))[0]\n"
+        "assert expected is None or got == expected, got\n"
+        "try:\n"
+        "    load_model('tiny:0', dtype='native')\n"
+        "except RuntimeError as exc:\n"
+        "    assert 'unavailable' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('dtype=native loaded without the extension')\n"
+        "lm = load_model('tiny:0', dtype='auto')\n"
+        "print('fallback', got, type(lm.model.lm_head).__name__)\n"
+    )
+    env = dict(os.environ, CASCADE_NATIVE="0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fallback" in proc.stdout
+    assert "native kernels are unavailable (disabled by CASCADE_NATIVE=0)" in proc.stderr
