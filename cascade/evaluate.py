@@ -48,14 +48,17 @@ class Method(Protocol):
 
 @dataclass
 class SpeculativeMethod:
-    """``cascade.generate`` with ``drafter`` (None: autoregressive decoding)."""
+    """``cascade.generate`` with ``drafter`` (None: autoregressive decoding), on the run's target
+    or on ``model`` (the same target loaded on another backend: e.g. the FBGEMM backend beside the
+    native one, to measure a backend as a method of the same run)."""
 
     drafter: Drafter | None = None
     verifier: Verifier = EXACT  # the target's verification rule (cascade.verify.VERIFIERS)
+    model: CausalLM | None = None  # None: the run's target
 
     def decode(self, target, ids, max_new_tokens, sampling, seed):
-        return generate(target, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, seed=seed, sampling=sampling,
-                        verifier=self.verifier)
+        return generate(self.model or target, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, seed=seed,
+                        sampling=sampling, verifier=self.verifier)
 
     def describe(self, name: str) -> DrafterInfo:
         if self.drafter is None:

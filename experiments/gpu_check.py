@@ -10,8 +10,14 @@ Steps (each timed; a failing step is reported and the others still run; exit sta
    vertical cascade) with the tiny float64 models on the device;
 3. a quantized drafter: NF4 through bitsandbytes on CUDA (int8 dynamic on CPU), drafting for the
    target under greedy equality;
-4. forward cost: the target's forward time at 1, 4, 16 and 32 inputs;
-5. the main job, ``python -m cascade.run +experiment=csd_two_level``.
+4. forward cost: the target's forward time at 1, 4, 16 and 32 inputs, checked against the
+   roofline's shape (:func:`forward_cost_ok`): a 4-token forward of a 1.5B model is bandwidth-bound
+   on any accelerator or CPU (at most 2x the 1-token one), and no k-token forward may cost more
+   than k one-token forwards (1.25x slack for timer noise) -- a batched forward slower than that is
+   broken batching, not a slow machine;
+5. the main job, ``python -m cascade.run +experiment=csd_two_level``: it must exit 0 and its
+   summary must show every greedy method's tokens equal to the baseline's on every prompt, a
+   divergence passing only at a near-tie (the target's top-2 gap there).
 
 Default: the Qwen2.5-Coder pair in bf16 on CUDA (``models.device=cuda``). ``--tiny``: the same
 steps with tiny random models on the CPU in float32 (what the default test suite runs, so the
@@ -119,17 +125,62 @@ def forward_cost(target, ks=(1, 4, 16, 32), repeats: int = 5):
         times[k] = best
     rows = ["| inputs | ms (fastest of %d) | ratio to 1 |" % repeats, "| --- | --- | --- |"]
     rows += [f"| {k} | {1000 * t:.1f} | {t / times[1]:.2f} |" for k, t in times.items()]
-    return "\n".join(rows), all(t > 0 for t in times.values())
+    problems = forward_cost_problems(times)
+    return "\n".join(rows + [""] + (problems or ["roofline shape: as expected"])), not problems
 
 
-def main_job(tiny: bool, device: str, run_dir: Path):
+def forward_cost_problems(times: dict[int, float], memory_bound_k: int = 4, memory_bound_ratio: float = 2.0,
+                          slack: float = 1.25) -> list[str]:
+    """What is wrong with forward times {k: seconds} against the roofline's shape (empty: nothing).
+    Up to ``memory_bound_k`` inputs a forward streams the same weights as one input, so it may
+    cost at most ``memory_bound_ratio`` x the 1-input forward; no k-input forward may cost more
+    than k 1-input forwards (``slack`` for timer noise)."""
+    problems, one = [], times[1]
+    if not all(t > 0 for t in times.values()):
+        problems.append(f"non-positive times: {times}")
+        return problems
+    for k, t in times.items():
+        if k <= memory_bound_k and t > memory_bound_ratio * one:
+            problems.append(f"{k} inputs cost {t / one:.2f}x one input (the roofline allows ~1x, this check {memory_bound_ratio}x)")
+        if t > slack * k * one:
+            problems.append(f"{k} inputs cost {t / one:.2f}x one input: more than {k} one-input forwards")
+    return problems
+
+
+def main_job(tiny: bool, device: str, run_dir: Path, near_tie: float):
     args = [sys.executable, "-m", "cascade.run", "+experiment=csd_two_level", "progress=false", "overwrite=true",
             f"hydra.run.dir={run_dir}"]
     args += ["debug=tiny"] if tiny else ["models.device=" + device, "models.dtype=bfloat16", "models.drafter_dtype=bfloat16"]
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=1200)
     table = [ln for ln in proc.stdout.splitlines() if ln.strip()][-6:]
-    body = "```\n" + ("\n".join(table) if proc.returncode == 0 else proc.stderr[-3000:]) + "\n```"
-    return body, proc.returncode == 0
+    if proc.returncode != 0:
+        return "```\n" + proc.stderr[-3000:] + "\n```", False
+    problems = main_job_problems(run_dir / "summary.json", near_tie)
+    body = "```\n" + "\n".join(table) + "\n```\n\n" + ("\n".join(problems) or "every greedy output equals the baseline's")
+    return body, not problems
+
+
+def main_job_problems(summary_path: Path, near_tie: float) -> list[str]:
+    """What the main job's summary shows wrong (empty: nothing): a missing summary, or a greedy
+    method whose tokens left the baseline's on some prompt other than at a near-tie."""
+    from cascade.results import load_jobs
+
+    if not summary_path.is_file():
+        return [f"no summary at {summary_path}"]
+    jobs, _ = load_jobs(summary_path.parent)
+    run = jobs[0].summary
+    if not run.greedy:
+        return []
+    problems = []
+    for name, method in run.compared.items():
+        if method.identical_to_baseline is None:
+            problems.append(f"{name}: no greedy comparison with the baseline recorded")
+            continue
+        bad = [d for d in method.divergences if d.top2_gap is None or d.top2_gap >= near_tie]
+        if method.identical_to_baseline + len(method.divergences) != run.num_prompts or bad:
+            problems.append(f"{name}: {method.identical_to_baseline}/{run.num_prompts} prompts identical; divergences "
+                            f"{[(d.prompt, d.position, d.top2_gap) for d in method.divergences]}")
+    return problems
 
 
 def main() -> int:
@@ -175,7 +226,7 @@ def main() -> int:
     report.step(f"3. quantized drafter ({quant})", lambda: greedy_equality(
         target, {f"{quant} chain": lambda: QuantizedLMDrafter(drafter_lm, quant, k=4)}, prompt_set, prompts, n, dtype))
     report.step(f"4. forward cost ({dtype})", lambda: forward_cost(target))
-    report.step("5. the main job", lambda: main_job(tiny, device, out.parent / (out.stem + "_run")))
+    report.step("5. the main job", lambda: main_job(tiny, device, out.parent / (out.stem + "_run"), NEAR_TIE[dtype]))
     report.lines += ["Failed: " + (", ".join(report.failed) if report.failed else "none"), ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(report.lines))

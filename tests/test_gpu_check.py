@@ -45,3 +45,46 @@ def test_gpu_check_on_cuda(tmp_path):
     proc, out = _run(tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Failed: none" in out.read_text()
+
+
+def test_forward_cost_check_fails_on_broken_shapes():
+    """The forward-cost step is falsifiable: a batched forward costing k one-token forwards, or a
+    4-token forward far off the bandwidth-bound roofline, is reported."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from gpu_check import forward_cost_problems
+
+    assert forward_cost_problems({1: 0.010, 4: 0.011, 16: 0.020, 32: 0.035}) == []
+    assert forward_cost_problems({1: 0.010, 4: 0.025, 16: 0.030, 32: 0.040})  # 4 inputs at 2.5x one
+    assert forward_cost_problems({1: 0.010, 4: 0.012, 16: 0.30, 32: 0.50})  # worse than sequential forwards
+    assert forward_cost_problems({1: 0.0, 4: 0.01, 16: 0.02, 32: 0.03})
+
+
+def test_main_job_check_fails_on_a_divergence(tmp_path):
+    """The main-job step reads the summary: a greedy method that left the baseline's tokens away
+    from a near-tie fails it; the tiny main job as it ran passes."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    import cascade.run as run_mod
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from gpu_check import main_job_problems
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=csd_two_level", "debug=tiny",
+                                                       f"output_dir={tmp_path}", "progress=false"])
+    run_mod.run(cfg)
+    path = tmp_path / "summary.json"
+    assert main_job_problems(path, near_tie=1e-3) == []
+    data = json.loads(path.read_text())
+    method = data["methods"]["csd_two_level"]
+    method["identical_to_baseline"] -= 1
+    method["divergences"] = [{"prompt": "p0", "position": 3, "top2_gap": 2.5}]
+    path.write_text(json.dumps(data))
+    problems = main_job_problems(path, near_tie=1e-3)
+    assert len(problems) == 1 and "csd_two_level" in problems[0]
+    method["divergences"][0]["top2_gap"] = 1e-5  # at a near-tie: allowed
+    path.write_text(json.dumps(data))
+    assert main_job_problems(path, near_tie=1e-3) == []
+    assert main_job_problems(tmp_path / "absent.json", near_tie=1e-3)

@@ -71,9 +71,12 @@ def test_auto_backend_choice():
     from cascade.models.loading import auto_backend, cpu_has_native_bf16
 
     from cascade.models.cpu_kernels import fbgemm_available
+    from cascade.models.native import native_kernels
 
     dtype, onednn = auto_backend(torch.device("cpu"))
-    if fbgemm_available():
+    if native_kernels() is not None:
+        assert (dtype, onednn) == ("native", False)
+    elif fbgemm_available():  # (tests/test_native.py runs this branch with the extension disabled)
         assert (dtype, onednn) == ("fp16w", False)
     else:
         assert (dtype, onednn) == ((torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True))

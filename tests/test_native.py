@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from cascade.models.native import (NativeFP16Linear, NativeInt4Linear, NativeInt8Linear, fp32_sum_bound, native_kernels,
+from cascade.models.native import (NativeFP16Linear, NativeInt4Linear, NativeInt8Linear, NativeInt8VNNILinear, fp32_sum_bound,
+                                   native_kernels,
                                    native_attention, swap_linears, unavailable_reason)
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -80,13 +81,20 @@ def test_fp16_linear_within_fp32_bound(shape):
     assert torch.equal(native.dense_state()["weight"], lin.weight.detach())
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "int4"])
+def _vnni() -> bool:
+    return native_kernels() is not None and native_kernels().has_vnni()
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int8", "int4", "int8_vnni"])
 @pytest.mark.parametrize("shape", [(1536, 256), (896, 4864), (64, 45), (128, 33)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_rows_are_bitwise_invariant(kind, shape):
     """Row i of an M-row call equals the 1-row call on row i, bit for bit, for M = 1..32."""
+    if kind == "int8_vnni" and not _vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
     k, n = shape
     lin = _fp16_linear(k, n, bias=True, seed=3)
-    module = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear}[kind](lin)
+    module = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear,
+              "int8_vnni": NativeInt8VNNILinear}[kind](lin)
     x = torch.randn(32, k, generator=torch.Generator().manual_seed(2))
     singles = torch.cat([module(x[i:i + 1]) for i in range(32)])
     for m in range(1, 33):
@@ -109,6 +117,25 @@ def test_quantized_kernels_multiply_their_dequantized_weights(kind):
     ref = x.double() @ dense.double().T + lin.bias.double()
     tol = 4 * fp32_sum_bound(k) * (x.double().abs() @ dense.double().abs().T) + 1e-6 * ref.abs()
     assert ((module(x).double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("k", [256, 37])
+def test_vnni_kernel_is_its_integer_sums(k):
+    """int8 x int8: y = (sum (xq - 128) q) * sx * s_w + b with xq = round(x / sx) + 128, sx =
+    max|x| / 127 per row, recomputed here exactly (int64 sums) and compared to fp32 rounding."""
+    if not _vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    n = 70
+    lin = _fp16_linear(k, n, bias=True, seed=8)
+    module = NativeInt8VNNILinear(lin)
+    plain = NativeInt8Linear(lin)
+    assert torch.equal(module.dense_weight(), plain.dense_weight())
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(9))
+    sx = x.abs().amax(1) / 127
+    xq = torch.round(x / sx[:, None]).to(torch.int64)  # [M, K], -127..127
+    q = torch.round(plain.dense_weight() / plain.scale[:n, None]).to(torch.int64)  # [N, K]
+    ref = (xq @ q.T).double() * sx.double()[:, None] * plain.scale[:n].double() + lin.bias.double()
+    assert ((module(x).double() - ref).abs() <= 1e-6 * ref.abs() + 1e-6).all()
 
 
 def test_int4_refuses_k_off_the_group():
@@ -283,6 +310,7 @@ def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
     drafters = {
         "chain": lambda: SmallLMDrafter(lm, k=5),
         "int8 native": lambda: QuantizedLMDrafter(lm, "int8_native", k=4),
+        "int8 vnni": lambda: QuantizedLMDrafter(lm, "int8_vnni" if _vnni() else "int8_native", k=4),
         "int4 native": lambda: QuantizedLMDrafter(lm, "int4_native", k=3) if lm.model.config.hidden_size % 64 == 0
         else QuantizedLMDrafter(lm, "int8_native", k=3),
         "cascade": lambda: VerticalCascade([SmallLMDrafter(lm, k=5), NGramDrafter(k=2)]),

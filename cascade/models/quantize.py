@@ -11,6 +11,10 @@ Methods:
     "int8_native"   CPU. cascade's own weight-only kernel (``cascade.models.native``): int8 weights
                     with one scale per output channel, fp32 activations and arithmetic; reads a
                     quarter of fp32's bytes and keeps the activations unrounded.
+    "int8_vnni"     CPU with AVX-512 VNNI. The same int8 weights times int8 activations quantized
+                    per row at each call, int32 sums (``NativeInt8VNNILinear``): several rows cost
+                    about one (tree levels, catch-up forwards); activations rounded like
+                    int8_dynamic's.
     "int4_native"   CPU. The same with int4 weights, one scale per output column and group of 64
                     along K (an eighth of fp32's bytes); a layer whose K is not a multiple of 64
                     keeps fp32.
@@ -32,8 +36,8 @@ import warnings
 
 import torch
 
-METHODS = ("auto", "int8_dynamic", "int8_native", "int4_native", "nf4")
-CPU_METHODS = ("int8_dynamic", "int8_native", "int4_native")
+METHODS = ("auto", "int8_dynamic", "int8_native", "int8_vnni", "int4_native", "nf4")
+CPU_METHODS = ("int8_dynamic", "int8_native", "int8_vnni", "int4_native")
 
 
 def resolve_method(method: str, device: torch.device) -> str:
@@ -63,13 +67,19 @@ def _int8_native():
     return NativeInt8Linear
 
 
+def _int8_vnni():
+    from cascade.models.native import NativeInt8VNNILinear
+    return NativeInt8VNNILinear
+
+
 def _int4_native():
     from cascade.models.native import NativeInt4Linear
     return NativeInt4Linear
 
 
 # method -> (fp32 model -> (swapped, kept)): the weight-only quantizers of cascade's native kernels
-NATIVE_QUANTIZERS = {"int8_native": _native_swap(_int8_native), "int4_native": _native_swap(_int4_native)}
+NATIVE_QUANTIZERS = {"int8_native": _native_swap(_int8_native), "int8_vnni": _native_swap(_int8_vnni),
+                     "int4_native": _native_swap(_int4_native)}
 
 
 def dense_linears(model: torch.nn.Module) -> int:

@@ -579,6 +579,114 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// ---- int8 x int8 (AVX-512 VNNI): a drafter's multi-row path ------------------------------------
+// Activations quantized per row (symmetric, scale max|x| / 127, stored offset by 128 as uint8),
+// weights int8 per output channel packed [P, K4 / 4, 32, 4] (four consecutive k of a column
+// side by side, the operand order of vpdpbusd), int32 sums:
+// y = (sum_k (xq_k - 128) q_k) * sx * s_w (+ bias) = (dot(xq, q) - 128 colsum(q)) * sx * s_w.
+// Four times the multiply-adds per instruction of fp32 FMA, so a tree level or a catch-up
+// forward of several rows costs little more than one row. Not exact (activations are rounded),
+// which a drafter may be: q is whatever it sampled from.
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_rows(const uint8_t* xq, int64_t ldxq, const float* sx,
+                                                                       const int8_t* panel, int64_t K4,
+                                                                       const int32_t* colsum, const float* scale,
+                                                                       const float* bias, float* y, int64_t ldy,
+                                                                       int ncols) {
+  __m512i acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < K4 / 4; ++g) {
+    const int8_t* w = panel + g * 128;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 128), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w);
+    const __m512i w1 = _mm512_loadu_si512(w + 64);
+    for (int m = 0; m < MR; ++m) {
+      int32_t four;
+      std::memcpy(&four, xq + m * ldxq + 4 * g, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], xb, w0);
+      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xb, w1);
+    }
+  }
+  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7), c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  for (int m = 0; m < MR; ++m) {
+    const __m512 xs = _mm512_set1_ps(sx[m]);
+    __m512 a0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][0], c0)), _mm512_mul_ps(s0, xs));
+    __m512 a1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][1], c1)), _mm512_mul_ps(s1, xs));
+    if (bias) {
+      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
+      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
+    }
+    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
+    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+  }
+}
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& colsum,
+                               const torch::Tensor& scale, int64_t N, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(has_vnni(), "the int8 x int8 kernel needs AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && (x.stride(1) == 1 || x.size(1) == 1), "x must be 2-D fp32");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kInt8 && packed.is_contiguous() && packed.size(2) == NC &&
+                  packed.size(3) == 4, "packed weight must be [P, K4 / 4, 32, 4] int8");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), K4 = packed.size(1) * 4, ldx = x.stride(0);
+  TORCH_CHECK(K4 >= K && K4 - K < 4, "x has K = ", K, ", the weight ", K4, " (padded to 4)");
+  TORCH_CHECK(N > (P - 1) * NC && N <= P * NC, "N = ", N, " does not match ", P, " panels");
+  TORCH_CHECK(colsum.scalar_type() == torch::kInt32 && colsum.numel() == P * NC && scale.scalar_type() == torch::kFloat32 &&
+                  scale.numel() == P * NC, "colsum [P * 32] int32 and scale [P * 32] fp32");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias must be [N] fp32");
+  // 1. quantize each row: xq = round(x / sx) + 128, sx = max|x| / 127 (padding k: 128, i.e. zero)
+  auto xq = torch::full({M, K4}, 128, x.options().dtype(torch::kUInt8));
+  auto sx = torch::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* qp = xq.data_ptr<uint8_t>();
+  float* sp = sx.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[m * ldx + k]));
+    const float s = amax > 0 ? amax / 127.0f : 1.0f;
+    sp[m] = s;
+    for (int64_t k = 0; k < K; ++k)
+      qp[m * K4 + k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(xp[m * ldx + k] / s)) + 128);
+  }
+  // 2. the int8 products, panels split between the threads
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* cp = colsum.data_ptr<int32_t>();
+  const float* scp = scale.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for_panels(P, [&](int64_t p) {
+    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+    const int8_t* panel = wp + p * K4 * NC;
+    const float* b = bp ? bp + p * NC : nullptr;
+    run_rows(M, MR512, [&](int64_t r0, int rows) {
+      const uint8_t* xr = qp + r0 * K4;
+      const float* sr = sp + r0;
+      float* yr = yp + r0 * N + p * NC;
+      switch (rows) {
+        case 1: vnni_rows<1>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+        case 2: vnni_rows<2>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+        case 3: vnni_rows<3>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+        case 4: vnni_rows<4>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+        case 5: vnni_rows<5>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+        case 6: vnni_rows<6>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+        case 7: vnni_rows<7>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+        default: vnni_rows<8>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
+      }
+    });
+  });
+  return y;
+}
+
 std::string isa_name() {
   switch (isa()) {
     case Isa::avx512: return "avx512";
@@ -597,6 +705,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
   m.def("attention", &attention, "softmax(scaling q k^T + mask) v over the cache, [B, n, H, D] out; no mask: causal",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scaling") = 1.0);
+  m.def("has_vnni", &has_vnni, "whether the int8 x int8 kernel (AVX-512 VNNI) runs here");
+  m.def("linear_int8_vnni", &linear_int8_vnni, "y = (xq @ Q^T) * sx * scale (+ bias), activations quantized per row",
+        py::arg("x"), py::arg("packed"), py::arg("colsum"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
   m.def("linear_int4", &linear_int4, "y = x @ ((Q - 8) * s)^T (+ bias), Q packed int4 [P, K, 16]", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("n"), py::arg("bias") = py::none());
 }
