@@ -93,7 +93,16 @@ def prefill_time(lm, n: int, repeats: int) -> float:
 
 
 def component_times(lm, k: int, repeats: int) -> dict[str, float]:
-    """Seconds per forward of k tokens spent in each component (median over repeats)."""
+    """Seconds per forward of k tokens spent in each component (median over repeats).
+
+    attn_proj: the q, k, v, o linears; attn_core: the rest of the attention module (RoPE, the
+    cache write, the product over the cache) on transformers' forward, the native attention
+    kernel alone on the lean forward (which calls no attention module: its RoPE and cache write
+    fall in other); mlp: the MLP module on transformers' forward, its three linears on the lean
+    forward (the activation then falls in other); lm_head; other: the rest (embedding, norms,
+    framework)."""
+    from cascade.models import native
+
     spent: dict[str, float] = defaultdict(float)
     start: dict[int, float] = {}
     hooks = []
@@ -108,8 +117,19 @@ def component_times(lm, k: int, repeats: int) -> dict[str, float]:
         timed(layer.self_attn, "attention")
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             timed(getattr(layer.self_attn, name), "attn_proj")
-        timed(layer.mlp, "mlp")
+        timed(layer.mlp, "mlp_module")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            timed(getattr(layer.mlp, name), "mlp_linears")
     timed(lm.model.get_output_embeddings(), "lm_head")
+    kernel = native.attention_kernel
+
+    def timed_kernel(*args):
+        t0 = time.perf_counter()
+        out = kernel(*args)
+        spent["kernel"] += time.perf_counter() - t0
+        return out
+
+    native.attention_kernel = timed_kernel
     cache = lm.new_cache()
     lm.forward([t % lm.vocab_size for t in range(100, 300)], cache, keep_last=1)
     past = lm.cache_len(cache)
@@ -121,10 +141,13 @@ def component_times(lm, k: int, repeats: int) -> dict[str, float]:
             lm.forward(list(range(1, k + 1)), cache)
             total = time.perf_counter() - t0
             lm.crop(cache, past)
-            rows.append({"attn_proj": spent["attn_proj"], "attn_core": spent["attention"] - spent["attn_proj"],
-                         "mlp": spent["mlp"], "lm_head": spent["lm_head"],
-                         "other": total - spent["attention"] - spent["mlp"] - spent["lm_head"], "total": total})
+            lean = spent["attention"] == 0  # the lean forward calls no attention module
+            attention = spent["attn_proj"] + spent["kernel"] if lean else spent["attention"]
+            mlp = spent["mlp_linears"] if lean else spent["mlp_module"]
+            rows.append({"attn_proj": spent["attn_proj"], "attn_core": attention - spent["attn_proj"], "mlp": mlp,
+                         "lm_head": spent["lm_head"], "other": total - attention - mlp - spent["lm_head"], "total": total})
     finally:
+        native.attention_kernel = kernel
         for h in hooks:
             h.remove()
     return {key: statistics.median(r[key] for r in rows[1:]) for key in rows[0]}
@@ -164,7 +187,9 @@ def main() -> None:
     if args.roofline:
         print_roofline(ks, all_times, params, prefill, args.prefill)
     keys = ["attn_proj", "attn_core", "mlp", "lm_head", "other", "total"]
-    print("\nms per forward by component (hooks add some overhead; other = embedding, norms, framework)")
+    print("\nms per forward by component (hooks add some overhead; other = embedding, norms, framework; on the lean"
+          " forward (native backends) attn_core is the attention kernel alone and mlp the three linears, RoPE,"
+          " the cache write and the activation falling in other)")
     print(f"{'backend':12s} {'k':>3s} " + " ".join(f"{c:>9s}" for c in keys))
     for name, by_k in components.items():
         for k, comp in by_k.items():

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cascade.models.native import _ext, _NativeLinear
+from cascade.models import native
+from cascade.models.native import NativeLinear
 
 SUPPORTED_ACT = ("silu",)
 
@@ -38,7 +39,7 @@ def lean_unsupported(model: nn.Module) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         names = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         names += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if not all(isinstance(m, _NativeLinear) for m in names):
+        if not all(isinstance(m, NativeLinear) for m in names):
             return "a decoder linear layer is not on cascade's native kernels"
         if getattr(attn, "sliding_window", None) is not None:
             return "sliding-window attention"
@@ -76,7 +77,7 @@ class LeanDecoder:
         q = (q * cos) + (_rotate_half(q) * sin)
         k = (k * cos) + (_rotate_half(k) * sin)
         keys, values = cache.update(k, v, index)  # [1, Hkv, L, D] (the cache's own layer)
-        out = _ext().attention(q, keys, values, mask, self.scaling)  # [1, n, H, D]
+        out = native.attention_kernel(q, keys, values, mask, self.scaling)  # [1, n, H, D]
         return attn.o_proj(out.reshape(n, -1))
 
     @torch.inference_mode()

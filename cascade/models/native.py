@@ -162,7 +162,7 @@ def _pad(v: torch.Tensor, length: int) -> torch.Tensor:
 
 # ---- modules -------------------------------------------------------------------------------------
 
-class _NativeLinear(nn.Module):
+class NativeLinear(nn.Module):
     """Inference-only ``nn.Linear`` replacement running a native kernel on [..., in] fp32 rows."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -188,7 +188,7 @@ class _NativeLinear(nn.Module):
         return {"weight": self.dense_weight(), **({} if self.bias is None else {"bias": self.bias.clone()})}
 
 
-class NativeFP16Linear(_NativeLinear):
+class NativeFP16Linear(NativeLinear):
     """fp16 weights (exactly the checkpoint's), fp32 arithmetic, row-invariant."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -205,7 +205,7 @@ class NativeFP16Linear(_NativeLinear):
         return _ext().linear_fp16(x2d, self.packed, self.out_features, self.bias)
 
 
-class NativeInt8Linear(_NativeLinear):
+class NativeInt8Linear(NativeLinear):
     """int8 weights, one scale per output channel, fp32 activations and arithmetic (a drafter's)."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -221,7 +221,7 @@ class NativeInt8Linear(_NativeLinear):
         return _ext().linear_int8(x2d, self.packed, self.scale, self.out_features, self.bias)
 
 
-class NativeInt8VNNILinear(_NativeLinear):
+class NativeInt8VNNILinear(NativeLinear):
     """int8 weights (one scale per output channel) times int8 activations (quantized per row at
     each call), int32 sums: AVX-512 VNNI, four times fp32's multiply-adds per instruction, so a
     tree level or catch-up forward of several rows costs about one row's (a drafter's)."""
@@ -252,7 +252,7 @@ class NativeInt8VNNILinear(_NativeLinear):
         return _ext().linear_int8_vnni(x2d, self.packed, self.colsum, self.scale, self.out_features, self.bias)
 
 
-class NativeInt4Linear(_NativeLinear):
+class NativeInt4Linear(NativeLinear):
     """int4 weights, one scale per output column and group of 64 along K (a drafter's)."""
 
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
@@ -292,8 +292,16 @@ def native_attention(module, query, key, value, attention_mask, dropout: float =
             mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, float("-inf"))
         mask = mask.float()
     scaling = module.scaling if scaling is None else scaling
-    out = _ext().attention(query.float(), key.float(), value.float(), mask, float(scaling))
+    out = attention_kernel(query.float(), key.float(), value.float(), mask, float(scaling))
     return out.to(query.dtype), None
+
+
+def attention_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """The native attention over the cache: fp32 query [B, H, n, D], key / value [B, Hkv, L, D],
+    mask None (causal) or fp32 [B or 1, 1, n, L] additive -> [B, n, H, D]. (One name for both
+    callers, transformers' attention function and the lean forward, so a profiler can time it.)"""
+    return _ext().attention(query, key, value, mask, scaling)
 
 
 def use_native_attention(model: nn.Module) -> None:
