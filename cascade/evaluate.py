@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from cascade.data import Prompt
 from cascade.decode import Generation, generate
 from cascade.drafters.base import Drafter
-from cascade.metrics import decomposition, prediction, speedup, summarize
+from cascade.metrics import decode_speedup, decomposition, prediction, speedup, summarize
 from cascade.models.lm import CausalLM
 from cascade.summary import CategoryResult, Divergence, HeldOut, MethodSummary
 from cascade.types import DrafterInfo, SamplingConfig
@@ -191,5 +191,6 @@ def summarize_methods(target: CausalLM, methods: dict[str, Method], prompt_set: 
             tokens_per_s_by_prompt={p.id: len(gen.tokens) / gen.wall_time_s for p, gen in zip(prompt_set, g)},
             identical_to_baseline=len(prompts) - len(div) if sampling.greedy else None,
             divergences=div,
+            decode_speedup=decode_speedup(s, base),
         )
     return out

@@ -135,6 +135,11 @@ def speedup(method: RunStats, baseline: RunStats) -> float:
     return method.tokens_per_s / baseline.tokens_per_s
 
 
+def decode_speedup(method: RunStats, baseline: RunStats) -> float:
+    """Ratio of decode-only throughputs (prefills excluded: ``RunStats.decode_tokens_per_s``)."""
+    return method.decode_tokens_per_s / baseline.decode_tokens_per_s
+
+
 def _round_cost(method: RunStats, baseline: RunStats) -> tuple[float, float, float]:
     """(γ, c, verification cost): mean nodes drafted per step, drafter time per drafted node and
     the verification forward's time, both in autoregressive steps of ``baseline``."""

@@ -156,9 +156,10 @@ def _fmt(x, spec: str = "{:.2f}x") -> str:
 
 def _table(results: dict[str, MethodSummary]) -> str:
     """alpha: a chain's acceptance; a tree's (accepted path / nodes) is shown as `tree 0.xxx`.
-    decomposed: the in-sample per-depth decomposition; predicted / measured: the second half of
+    speedup: tok/s of whole calls (prefill included) over the baseline's; decode: the same without
+    the prefills; decomposed: the in-sample per-depth decomposition; predicted / measured: the second half of
     the prompts, predicted from the first half; same: greedy outputs identical to the baseline's."""
-    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {'tok/s':>8s} {'speedup':>8s} {'decomposed':>10s} "
+    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {'tok/s':>8s} {'speedup':>8s} {'decode':>7s} {'decomposed':>10s} "
              f"{'2nd half: predicted':>19s} {'measured':>8s} {'same':>5s}"]
     for name, r in results.items():
         s = r.stats
@@ -169,6 +170,7 @@ def _table(results: dict[str, MethodSummary]) -> str:
         predicted = None if h is None else h.predicted_speedup
         same = "-" if r.identical_to_baseline is None else f"{r.identical_to_baseline}/{len(r.tokens)}"
         lines.append(f"{name:16s} {_fmt(s.tau, '{:.2f}'):>6s} {alpha:>10s} {s.tokens_per_s:8.2f} {r.speedup:7.2f}x "
+                     f"{_fmt(r.decode_speedup):>7s} "
                      f"{_fmt(r.decomposition.decomposed_speedup_per_depth):>10s} {_fmt(predicted):>19s} "
                      f"{_fmt(h.measured_speedup if predicted is not None else None):>8s} {same:>5s}")
         for level, lv in s.levels.items():

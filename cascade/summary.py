@@ -63,6 +63,14 @@ class RunStats:
         """c of a single drafter (None for autoregressive decoding or several drafters)."""
         return next(iter(self.c_by_drafter.values())) if len(self.c_by_drafter) == 1 else None
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens per second of decoding alone: the wall time less the target's prefill and the
+        drafter's catch-up on the prompt (a method without step records reports no prefill: its
+        whole call counts)."""
+        decode = self.wall_time_s - self.prefill_time_s - self.drafter_prefill_time_s
+        return self.new_tokens / decode if decode > 0 else float("nan")
+
 
 @dataclass
 class Decomposition:
@@ -124,6 +132,7 @@ class MethodSummary:
     tokens_per_s_by_prompt: dict[str, float]
     identical_to_baseline: int | None = None  # greedy runs: prompts whose tokens equal the baseline's
     divergences: list[Divergence] = field(default_factory=list)
+    decode_speedup: float | None = None  # decode-only tok/s over the baseline's (prefills excluded)
 
     @property
     def tau(self) -> float | None:
