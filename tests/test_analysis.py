@@ -164,3 +164,23 @@ def test_plot_run_draws_a_multi_method_run(tmp_path, capsys):
     assert not any(n.startswith("tree_trajectories_static") for n in names)  # only the priced tree
     for stem in ("speedup_bench_tree_builtin", "tree_trajectories_dytc_builtin"):
         _check_image([tmp_path / "figs" / f"{stem}.png", tmp_path / "figs" / f"{stem}.pdf"])
+
+
+def test_round_decomposition_adds_up(sweep, capsys):
+    """analysis.rounds: per method, verify + draft + accept + other is the mean step time, the
+    baseline's round is one step, and a chain's rounds hold its drafted inputs."""
+    import json as _json
+
+    from analysis.rounds import main as rounds_main, round_parts
+
+    job = sweep / "2_k3"
+    steps = [_json.loads(line) for line in (job / "steps.jsonl").read_text().splitlines()]
+    parts = round_parts(steps)
+    for name, p in parts.items():
+        mine = [s for s in steps if s["method"] == name]
+        total = sum(s["step_time_s"] for s in mine) / len(mine)
+        assert p["verify"] + p["draft"] + p["accept"] + p["other"] == pytest.approx(total)
+    assert parts["ar"]["inputs"] == 1 and parts["layer_skip"]["inputs"] > 1
+    assert rounds_main([str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "one autoregressive step" in out and " 1.000 " in out.splitlines()[2]
