@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, p in parts.items():
             total = p["verify"] + p["draft"] + p["accept"] + p["other"]
             method = job.summary.methods[name]
-            decode = "-" if method.decode_speedup is None else f"{method.decode_speedup:.2f}x"
+            decode = f"{method.stats.decode_tokens_per_s / job.summary.methods[base].stats.decode_tokens_per_s:.2f}x"
             print(f"{name:16s} {p['tokens']:7.2f} {p['inputs']:7.2f} " + " ".join(
                 f"{p[k] / step:7.3f}" for k in ("verify", "draft", "accept", "other"))
                 + f" {total / step:7.3f} {decode:>7s} {method.speedup:6.2f}x")
