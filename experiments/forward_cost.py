@@ -174,10 +174,12 @@ def main() -> None:
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
-    components, all_times, prefill, params = {}, {}, {}, None
+    components, all_times, prefill, params, head_params = {}, {}, {}, None, None
     for name, kwargs in backends.items():
         lm = load_model(args.model, **kwargs)
         params = params or linear_params(lm)
+        head = lm.model.get_output_embeddings()
+        head_params = head_params or head.in_features * head.out_features
         times = all_times[name] = forward_times(lm, ks, args.repeats)
         print(f"{name:12s} " + " ".join(f"{1000 * times[k]:7.0f} ({times[k] / times[1]:4.2f})" for k in ks), flush=True)
         components[name] = {k: component_times(lm, k, args.repeats) for k in (ks[0], ks[-1])}
@@ -185,7 +187,7 @@ def main() -> None:
             prefill[name] = prefill_time(lm, args.prefill, max(1, args.repeats // 2))
         del lm
     if args.roofline:
-        print_roofline(ks, all_times, params, prefill, args.prefill)
+        print_roofline(ks, all_times, params, prefill, args.prefill, head_params)
     keys = ["attn_proj", "attn_core", "mlp", "lm_head", "other", "total"]
     print("\nms per forward by component (hooks add some overhead; other = embedding, norms, framework; on the lean"
           " forward (native backends) attn_core is the attention kernel alone and mlp the three linears, RoPE,"
@@ -204,7 +206,7 @@ EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native")  # fp32 arithmeti
 
 
 def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params: int, prefill: dict[str, float],
-                   prefill_tokens: int) -> None:
+                   prefill_tokens: int, head_params: int) -> None:
     bandwidth, peaks = read_bandwidth(), peak_flops()
     peak = max(peaks.values())
     weight_bytes, flops = 2 * params, 2 * params  # 16-bit weights; a multiply-add per weight and token
@@ -242,10 +244,11 @@ def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params
         if k in floor:
             print(f"goal {k}-token <= {goal}x the 1-token forward: the floor's own ratio is {floor[k] / floor[1]:.2f}; "
                   + ", ".join(f"{name} {times[k] / times[1]:.2f}" for name, times in all_times.items()))
-    if prefill:
-        print(f"prefill of {prefill_tokens} tokens (empty cache): "
-              + ", ".join(f"{n} {1000 * t:.0f} ms = {prefill_tokens * flops / t / 1e9:.0f} GFLOP/s "
-                          f"({100 * prefill_tokens * flops / t / peaks['sgemm']:.0f}% of sgemm's peak)" for n, t in prefill.items()))
+    if prefill:  # the LM head runs on the last position only (keep_last=1)
+        work = 2 * ((params - head_params) * prefill_tokens + head_params)
+        print(f"prefill of {prefill_tokens} tokens (empty cache, {work / 1e9:.0f} GFLOP in the linears): "
+              + ", ".join(f"{n} {1000 * t:.0f} ms = {work / t / 1e9:.0f} GFLOP/s ({100 * work / t / peak:.0f}% of the "
+                          f"measured fp32 peak)" for n, t in prefill.items()))
 
 
 if __name__ == "__main__":
