@@ -4,7 +4,8 @@ backend side by side in one process, and where the time goes (per component).
 This is the slack speculative verification lives on. Backends: bf16 (transformers' kernels),
 fp32, fp32 with oneDNN linears, fp16 weights with fp32 arithmetic through FBGEMM
 (``dtype="fp16w"``, ``cascade.models.cpu_kernels``) or through cascade's native row-invariant
-kernels (``native``: ``dtype="native"``, ``cascade.models.native``), and the drafters' quantized
+kernels (``native``: ``dtype="native"``, ``cascade.models.native``, with its lean forward;
+``native_hf``: the same kernels under transformers' own forward), and the drafters' quantized
 copies (``int8``: torch's dynamic int8; ``int8n`` / ``int4n``: the native weight-only kernels;
 ``int8v``: native int8 x int8 with activations quantized per row, AVX-512 VNNI). The component table times, for k = 1 and
 the largest k, the attention projections (q, k, v, o), the rest of attention (RoPE, the
@@ -169,6 +170,7 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     known = {"bf16": dict(dtype="bfloat16"), "fp32": dict(dtype="float32"), "fp32+oneDNN": dict(dtype="float32", onednn=True),
              "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch"), "native": dict(dtype="native"),
+             "native_hf": dict(dtype="native", lean=False),
              "int8": dict(quantize="int8_dynamic"), "int8n": dict(quantize="int8_native"), "int8v": dict(quantize="int8_vnni"),
              "int4n": dict(quantize="int4_native")}
     backends = {b: known[b] for b in args.backends.split(",")}
@@ -176,7 +178,11 @@ def main() -> None:
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
     components, all_times, prefill, params, head_params = {}, {}, {}, None, None
     for name, kwargs in backends.items():
+        kwargs = dict(kwargs)
+        lean = kwargs.pop("lean", True)
         lm = load_model(args.model, **kwargs)
+        if not lean:  # the native kernels under transformers' own forward: what the lean forward saves
+            lm.lean = None
         params = params or linear_params(lm)
         head = lm.model.get_output_embeddings()
         head_params = head_params or head.in_features * head.out_features
@@ -200,9 +206,9 @@ def main() -> None:
 
 # bytes each backend streams per linear weight (dispatch: fp16 copies; int8: one byte plus a
 # scale per tensor; int8n: per channel; int4n: half a byte plus an fp32 scale per 64 weights)
-BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "int8": 1, "int8n": 1,
+BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "native_hf": 2, "int8": 1, "int8n": 1,
                     "int8v": 1, "int4n": 0.5 + 4 / 64}
-EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native")  # fp32 arithmetic on the checkpoint's own weights
+EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
 
 
 def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params: int, prefill: dict[str, float],
