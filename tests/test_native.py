@@ -194,7 +194,7 @@ def test_attention_matches_reference_and_is_row_invariant():
 def tiny_native():
     """A tiny random Llama whose weights fp16 holds exactly (as the zoo's bf16 checkpoints), on
     the native backend as ``load_model(dtype="native")`` sets it up."""
-    from cascade.models.loading import attach_lean
+    from cascade.models.lean import attach_lean
     from cascade.models.tiny import tiny_llama
 
     lm = tiny_llama(vocab_size=256, num_layers=4, seed=0, dtype=torch.float32, device="cpu", name="tiny:0 fp16-exact")

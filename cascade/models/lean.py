@@ -16,11 +16,15 @@ model's own ``DynamicCache`` (its layers' ``update``), so crop and compaction ar
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from cascade.models import native
-from cascade.models.native import NativeLinear
+from cascade.models.native import NativeLinear, use_native_attention
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ACT = ("silu",)
 
@@ -103,3 +107,14 @@ class LeanDecoder:
             hidden = h
         logits = self.head(h if not keep_last else h[-keep_last:])
         return logits if return_hidden is None else (logits, hidden)
+
+
+def attach_lean(lm) -> None:
+    """Run ``lm`` (a ``CausalLM`` whose linears are on native kernels) with the native attention
+    and, where the architecture allows, the lean forward (the reason is logged where not)."""
+    use_native_attention(lm.model)
+    reason = lean_unsupported(lm.model)
+    if reason is None:
+        lm.lean = LeanDecoder(lm.model)
+    else:
+        log.info("%s: transformers' forward (the lean forward does not apply: %s)", lm.name, reason)

@@ -12,9 +12,9 @@ from cascade.models import zoo
 from cascade.models.cpu_kernels import (ROW_BUCKETS, KernelPlan, fbgemm_available, use_dispatch_linears, use_fp16_weight_linears,
                                         use_onednn_linears)
 from cascade.models.devices import resolve_device, resolve_dtype
-from cascade.models.lean import LeanDecoder, lean_unsupported
+from cascade.models.lean import attach_lean
 from cascade.models.lm import CausalLM
-from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason, use_native_attention
+from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
 from cascade.models.quantize import NATIVE_QUANTIZERS, bitsandbytes_config, quantize_int8_dynamic, resolve_method
 from cascade.models.tiny import tiny_llama
 
@@ -69,17 +69,6 @@ def auto_backend(device: torch.device) -> tuple[torch.dtype | str, bool]:
     if cpu_has_native_bf16():
         return torch.bfloat16, False
     return torch.float32, True
-
-
-def attach_lean(lm: CausalLM) -> None:
-    """Run ``lm`` (its linears on native kernels) with the native attention and, where the
-    architecture allows, the lean forward (``cascade.models.lean``; the reason is logged where not)."""
-    use_native_attention(lm.model)
-    reason = lean_unsupported(lm.model)
-    if reason is None:
-        lm.lean = LeanDecoder(lm.model)
-    else:
-        log.info("%s: transformers' forward (the lean forward does not apply: %s)", lm.name, reason)
 
 
 def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.device, **kwargs) -> CausalLM:

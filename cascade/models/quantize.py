@@ -128,7 +128,7 @@ def quantized_copy(lm, method: str = "auto"):
     if method == "int8_dynamic":
         quantize_int8_dynamic(model)
         return CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
-    from cascade.models.loading import attach_lean
+    from cascade.models.lean import attach_lean
 
     NATIVE_QUANTIZERS[method](model)
     copy_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
