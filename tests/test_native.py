@@ -226,6 +226,19 @@ def _both_paths(lm, fn):
     return a, b
 
 
+def test_trained_modules_copied_from_a_native_target_keep_a_differentiable_attention(tiny_native):
+    """The native attention has no backward: a draft head or exit adapter copied from a target on
+    the native backend must run transformers' attention, or training would silently get no
+    gradient through it."""
+    from cascade.models.adapter import ExitAdapter
+    from cascade.models.draft_head import DraftHead
+
+    head = DraftHead.from_target(tiny_native)
+    adapter = ExitAdapter.from_target(tiny_native, 2)
+    assert head.config._attn_implementation == adapter.config._attn_implementation == "sdpa"
+    assert tiny_native.model.config._attn_implementation == "cascade_native"  # the target's own is untouched
+
+
 def test_lean_forward_is_bitwise_transformers_forward(tiny_native):
     from cascade.models.lm import FINAL_HIDDEN
     from cascade.tree import tree_mask, tree_positions

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from cascade.models.checkpoints import load_checkpoint, save_checkpoint
-from cascade.models.layers import decoder_parts, dense_state
+from cascade.models.layers import decoder_parts, dense_state, trainable_attention
 from cascade.models.lm import CausalLM
 
 FORMAT = "cascade.exit_adapter/1"
@@ -46,6 +46,7 @@ class ExitAdapter(nn.Module):
         config.num_hidden_layers = 1
         if getattr(config, "layer_types", None):
             config.layer_types = [config.layer_types[exit_layer]]
+        config._attn_implementation = trainable_attention(config)
         src = parts.layers[exit_layer]
         attn = type(src.self_attn)(config, layer_idx=0)
         wanted = attn.state_dict().keys()  # OneDNNLinear always carries a bias; keep only real ones

@@ -35,7 +35,7 @@ from transformers.masking_utils import create_causal_mask
 
 from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
 from cascade.models.checkpoints import load_checkpoint, save_checkpoint
-from cascade.models.layers import decoder_parts, dense_state
+from cascade.models.layers import decoder_parts, dense_state, trainable_attention
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
 from cascade.models.pruned_head import PrunedHead
 
@@ -81,6 +81,7 @@ class DraftHead(nn.Module):
         config.num_hidden_layers = 1
         if getattr(config, "layer_types", None):
             config.layer_types = [config.layer_types[-1]]
+        config._attn_implementation = trainable_attention(config)
         src = parts.layers[-1]
         layer = type(src)(config, layer_idx=0)
         wanted = layer.state_dict().keys()  # OneDNNLinear always carries a bias; keep only real ones

@@ -49,6 +49,16 @@ def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
     return dense_state(linear)["weight"].float()
 
 
+def trainable_attention(config) -> str:
+    """The attention implementation a trained module copied from the target (a draft head, an
+    exit adapter) runs: the target's, unless it is cascade's native kernel, which has no backward
+    (gradients would silently not flow through it): then transformers' sdpa."""
+    from cascade.models.native import ATTENTION
+
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    return "sdpa" if impl == ATTENTION else impl
+
+
 def decoder_parts(lm: CausalLM) -> DecoderParts:
     base = lm.model.get_decoder()
     missing = [a for a in ("layers", "norm", "rotary_emb") if not hasattr(base, a)]
