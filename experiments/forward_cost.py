@@ -65,20 +65,24 @@ def linear_params(lm) -> int:
     return total
 
 
-def forward_times(lm, ks, repeats: int) -> dict[int, float]:
-    cache = lm.new_cache()
-    lm.forward([t % lm.vocab_size for t in range(100, 300)], cache, keep_last=1)
-    base = lm.cache_len(cache)
-    out = {}
+def forward_times(lms: dict, ks, repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds of a k-token forward on a 200-token cache, for every backend and k, the
+    backends interleaved (every backend's forward at k before the next repeat), so that the
+    shared machine's drifts in memory bandwidth hit all backends alike."""
+    caches, bases = {}, {}
+    for name, lm in lms.items():
+        caches[name] = lm.new_cache()
+        lm.forward([t % lm.vocab_size for t in range(100, 300)], caches[name], keep_last=1)
+        bases[name] = lm.cache_len(caches[name])
+    samples = {name: {k: [] for k in ks} for name in lms}
     for k in ks:
-        samples = []
-        for _ in range(repeats + 1):  # first call is a warm-up
-            t0 = time.perf_counter()
-            lm.forward(list(range(1, k + 1)), cache)
-            samples.append(time.perf_counter() - t0)
-            lm.crop(cache, base)
-        out[k] = statistics.median(samples[1:])
-    return out
+        for _ in range(repeats + 1):  # the first round is a warm-up
+            for name, lm in lms.items():
+                t0 = time.perf_counter()
+                lm.forward(list(range(1, k + 1)), caches[name])
+                samples[name][k].append(time.perf_counter() - t0)
+                lm.crop(caches[name], bases[name])
+    return {name: {k: statistics.median(v[1:]) for k, v in by_k.items()} for name, by_k in samples.items()}
 
 
 def prefill_time(lm, n: int, repeats: int) -> float:
@@ -160,7 +164,9 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,5,6,8,9,12,16,24,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backends", default="bf16,fp32,fp32+oneDNN,fp16w,dispatch,native,int8,int8n,int4n")
+    ap.add_argument("--backends", default="bf16,fp16w,native,native_hf,int8",
+                    help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, dispatch, native, native_hf, int8, int8n, int8v, "
+                         "int4n (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prefill timed per backend (0: skip)")
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
                     help="skip measuring bandwidth and peak FLOP/s (about 10 s and 1 GiB of memory)")
@@ -176,22 +182,25 @@ def main() -> None:
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
-    components, all_times, prefill, params, head_params = {}, {}, {}, None, None
-    for name, kwargs in backends.items():
+    components, prefill = {}, {}
+    lms = {}
+    for name, kwargs in backends.items():  # every backend loaded at once (memory: the sum of their copies)
         kwargs = dict(kwargs)
         lean = kwargs.pop("lean", True)
-        lm = load_model(args.model, **kwargs)
+        lms[name] = load_model(args.model, **kwargs)
         if not lean:  # the native kernels under transformers' own forward: what the lean forward saves
-            lm.lean = None
-        params = params or linear_params(lm)
-        head = lm.model.get_output_embeddings()
-        head_params = head_params or head.in_features * head.out_features
-        times = all_times[name] = forward_times(lm, ks, args.repeats)
+            lms[name].lean = None
+    first = next(iter(lms.values()))
+    params = linear_params(first)
+    head = first.model.get_output_embeddings()
+    head_params = head.in_features * head.out_features
+    all_times = forward_times(lms, ks, args.repeats)
+    for name, times in all_times.items():
         print(f"{name:12s} " + " ".join(f"{1000 * times[k]:7.0f} ({times[k] / times[1]:4.2f})" for k in ks), flush=True)
+    for name, lm in lms.items():
         components[name] = {k: component_times(lm, k, args.repeats) for k in (ks[0], ks[-1])}
         if args.prefill:
             prefill[name] = prefill_time(lm, args.prefill, max(1, args.repeats // 2))
-        del lm
     if args.roofline:
         print_roofline(ks, all_times, params, prefill, args.prefill, head_params)
     keys = ["attn_proj", "attn_core", "mlp", "lm_head", "other", "total"]

@@ -91,8 +91,8 @@ def dense_linears(model: torch.nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if hasattr(child, "dense_state") and isinstance(getattr(child, "in_features", None), int):
                 state = child.dense_state()
-                lin = torch.nn.Linear(child.in_features, child.out_features, bias="bias" in state)
-                lin.load_state_dict(state)
+                lin = torch.nn.utils.skip_init(torch.nn.Linear, child.in_features, child.out_features, bias="bias" in state)
+                lin.load_state_dict(state)  # (skip_init: no random initialisation of weights overwritten here)
                 setattr(parent, name, lin)
                 count += 1
     return count

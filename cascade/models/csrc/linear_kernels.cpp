@@ -687,6 +687,27 @@ torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& pack
   return y;
 }
 
+// ---- the lean forward's per-row operations, as one call each ---------------------------------
+// The same ATen operations, in the same order, as transformers' Llama / Qwen2 RMSNorm, rotary
+// embedding and gated MLP (so the results are bitwise theirs; the lean forward checks that once
+// per model and otherwise calls the modules): what this saves is the interpreter's work between
+// the operations, about half the time a small drafter's token spends outside its kernels.
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  auto h = x.to(torch::kFloat32);
+  auto variance = h.pow(2).mean(-1, true);
+  h = h * torch::rsqrt(variance + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  auto rotated = torch::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+  return (x * cos) + (rotated * sin);
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) { return torch::silu(gate) * up; }
+
 std::string isa_name() {
   switch (isa()) {
     case Isa::avx512: return "avx512";
@@ -708,6 +729,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", &has_vnni, "whether the int8 x int8 kernel (AVX-512 VNNI) runs here");
   m.def("linear_int8_vnni", &linear_int8_vnni, "y = (xq @ Q^T) * sx * scale (+ bias), activations quantized per row",
         py::arg("x"), py::arg("packed"), py::arg("colsum"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("rms_norm", &rms_norm, "transformers' RMSNorm: weight * (x * rsqrt(mean(x^2) + eps))", py::arg("x"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("rope", &rope, "x * cos + rotate_half(x) * sin", py::arg("x"), py::arg("cos"), py::arg("sin"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate"), py::arg("up"));
   m.def("linear_int4", &linear_int4, "y = x @ ((Q - 8) * s)^T (+ bias), Q packed int4 [P, K, 16]", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("n"), py::arg("bias") = py::none());
 }
