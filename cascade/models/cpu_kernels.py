@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from cascade.models.exact_fp16 import InexactWeightError, fp16_inexact
-from cascade.models.native import NativeFP16Linear, native_kernels
+from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears
 
 
 class OneDNNLinear(nn.Module):
@@ -94,16 +94,7 @@ def use_fp16_weight_linears(model: nn.Module) -> tuple[int, list[str]]:
     (swapped count, names kept)."""
     if not fbgemm_available():
         raise RuntimeError("FBGEMM's fp16 GEMM is not available in this torch build / on this CPU")
-    swapped, kept = 0, []
-    for pname, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                try:
-                    setattr(parent, name, FP16WeightLinear(child))
-                    swapped += 1
-                except InexactWeightError:
-                    kept.append(f"{pname}.{name}" if pname else name)
-    return swapped, kept
+    return swap_linears(model, FP16WeightLinear)  # InexactWeightError is a ValueError: that layer is kept
 
 
 def onednn_available() -> bool:

@@ -77,11 +77,8 @@ class LeanDecoder:
         base = model.model
         self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
         self.head = model.get_output_embeddings()
-        self.num_layers = len(self.layers)
         attn = self.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
-        self.heads = int(model.config.num_attention_heads)
-        self.kv_heads = int(model.config.num_key_value_heads)
         self.scaling = float(attn.scaling)
         self.kernels = native.native_kernels()
         # per layer: (input norm, post-attention norm) as one native call each where bitwise the module

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -261,6 +262,19 @@ Isa isa() {
 
 constexpr int MR512 = 8;  // rows per block on AVX-512 (16 accumulators)
 
+// fn(std::integral_constant<int, rows>) for a run-time rows in 1..Max: one template instance per
+// row count (the register block's size is a compile-time constant)
+template <int Max, typename Fn>
+void with_rows(int rows, Fn&& fn) {
+  if constexpr (Max > 1) {
+    if (rows < Max) {
+      with_rows<Max - 1>(rows, fn);
+      return;
+    }
+  }
+  fn(std::integral_constant<int, Max>{});
+}
+
 template <typename Fn>
 void run_rows(int64_t M, int mr, Fn&& block) {  // block(r0, rows) for row blocks of <= mr rows
   for (int64_t r0 = 0; r0 < M; r0 += mr) block(r0, static_cast<int>(std::min<int64_t>(mr, M - r0)));
@@ -305,23 +319,13 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
       run_rows(M, MR512, [&](int64_t r0, int rows) {
         const float* xr = xp + r0 * ldx;
         float* yr = yp + r0 * N + p * NC;
-        switch (rows) {
-          case 1: fp16_rows_avx512<1>(xr, ldx, panel, K, b, yr, N, ncols); break;
-          case 2: fp16_rows_avx512<2>(xr, ldx, panel, K, b, yr, N, ncols); break;
-          case 3: fp16_rows_avx512<3>(xr, ldx, panel, K, b, yr, N, ncols); break;
-          case 4: fp16_rows_avx512<4>(xr, ldx, panel, K, b, yr, N, ncols); break;
-          case 5: fp16_rows_avx512<5>(xr, ldx, panel, K, b, yr, N, ncols); break;
-          case 6: fp16_rows_avx512<6>(xr, ldx, panel, K, b, yr, N, ncols); break;
-          case 7: fp16_rows_avx512<7>(xr, ldx, panel, K, b, yr, N, ncols); break;
-          default: fp16_rows_avx512<8>(xr, ldx, panel, K, b, yr, N, ncols); break;
-        }
+        with_rows<8>(rows, [&](auto r) { fp16_rows_avx512<decltype(r)::value>(xr, ldx, panel, K, b, yr, N, ncols); });
       });
     } else if (M <= 2) {  // one pass over all four vectors of the panel
       run_rows(M, 2, [&](int64_t r0, int rows) {
         const float* xr = xp + r0 * ldx;
         float* yr = yp + r0 * N + p * NC;
-        if (rows == 1) rows_avx2<1, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols);
-        else rows_avx2<2, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols);
+        with_rows<2>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols); });
       });
     } else {  // half a panel per pass, up to 6 rows
       for (int c0 = 0; c0 < NC; c0 += 16) {
@@ -330,14 +334,7 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
           const float* xr = xp + r0 * ldx;
           float* yr = yp + r0 * N + p * NC;
           const float* bb = b;
-          switch (rows) {
-            case 1: rows_avx2<1, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
-            case 2: rows_avx2<2, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
-            case 3: rows_avx2<3, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
-            case 4: rows_avx2<4, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
-            case 5: rows_avx2<5, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
-            default: rows_avx2<6, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); break;
-          }
+          with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); });
         });
       }
     }
@@ -368,16 +365,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
       run_rows(M, MR512, [&](int64_t r0, int rows) {
         const float* xr = xp + r0 * ldx;
         float* yr = yp + r0 * N + p * NC;
-        switch (rows) {
-          case 1: int8_rows_avx512<1>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-          case 2: int8_rows_avx512<2>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-          case 3: int8_rows_avx512<3>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-          case 4: int8_rows_avx512<4>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-          case 5: int8_rows_avx512<5>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-          case 6: int8_rows_avx512<6>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-          case 7: int8_rows_avx512<7>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-          default: int8_rows_avx512<8>(xr, ldx, panel, K, s, b, yr, N, ncols); break;
-        }
+        with_rows<8>(rows, [&](auto r) { int8_rows_avx512<decltype(r)::value>(xr, ldx, panel, K, s, b, yr, N, ncols); });
       });
     } else {
       for (int c0 = 0; c0 < NC; c0 += 16) {
@@ -385,14 +373,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
         run_rows(M, 6, [&](int64_t r0, int rows) {
           const float* xr = xp + r0 * ldx;
           float* yr = yp + r0 * N + p * NC;
-          switch (rows) {
-            case 1: rows_avx2<1, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
-            case 2: rows_avx2<2, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
-            case 3: rows_avx2<3, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
-            case 4: rows_avx2<4, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
-            case 5: rows_avx2<5, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
-            default: rows_avx2<6, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); break;
-          }
+          with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); });
         });
       }
     }
@@ -435,12 +416,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
         const float* xr = xp + r0 * ldx;
         const float* xsr = xs + r0 * ldxs;
         float* yr = yp + r0 * N + p * NC;
-        switch (rows) {
-          case 1: int4_rows_avx512<1>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
-          case 2: int4_rows_avx512<2>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
-          case 3: int4_rows_avx512<3>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
-          default: int4_rows_avx512<4>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); break;
-        }
+        with_rows<4>(rows, [&](auto r) { int4_rows_avx512<decltype(r)::value>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); });
       });
     } else {
       for (int64_t r = 0; r < M; ++r)
@@ -672,16 +648,7 @@ torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& pack
       const uint8_t* xr = qp + r0 * K4;
       const float* sr = sp + r0;
       float* yr = yp + r0 * N + p * NC;
-      switch (rows) {
-        case 1: vnni_rows<1>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-        case 2: vnni_rows<2>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-        case 3: vnni_rows<3>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-        case 4: vnni_rows<4>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-        case 5: vnni_rows<5>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-        case 6: vnni_rows<6>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-        case 7: vnni_rows<7>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-        default: vnni_rows<8>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); break;
-      }
+      with_rows<8>(rows, [&](auto r) { vnni_rows<decltype(r)::value>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); });
     });
   });
   return y;
