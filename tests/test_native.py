@@ -236,6 +236,8 @@ def test_trained_modules_copied_from_a_native_target_keep_a_differentiable_atten
     head = DraftHead.from_target(tiny_native)
     adapter = ExitAdapter.from_target(tiny_native, 2)
     assert head.config._attn_implementation == adapter.config._attn_implementation == "sdpa"
+    head.for_inference(tiny_native)  # at inference the head's linears join the target's kernel
+    assert isinstance(head.fc, NativeFP16Linear)
     assert tiny_native.model.config._attn_implementation == "cascade_native"  # the target's own is untouched
 
 
@@ -269,6 +271,23 @@ def test_lean_forward_is_bitwise_transformers_forward(tiny_native):
 
     for a, b in zip(*_both_paths(tiny_native, tree)):
         assert torch.equal(a, b)
+
+
+def test_pruned_head_on_the_native_backend(tiny_native):
+    """FR-Spec's pruned LM head on a native model: the kept rows on the same kernel (bitwise the
+    full head's logits there), -inf elsewhere, and the pruned model keeps the lean forward."""
+    from cascade.models.pruned_head import prune_head
+
+    keep = torch.tensor([3, 17, 40, 41, 200])
+    pruned = prune_head(tiny_native, keep)
+    assert pruned.lean is not None and pruned.lean.head is pruned.model.get_output_embeddings()
+    ids = list(range(5, 30))
+    full = tiny_native.forward(ids, tiny_native.new_cache())
+    cut = pruned.forward(ids, pruned.new_cache())
+    kept = sorted(set(keep.tolist()) | tiny_native.eos_token_ids)
+    assert torch.equal(cut[:, kept], full[:, kept])
+    others = [i for i in range(tiny_native.vocab_size) if i not in kept]
+    assert torch.isinf(cut[:, others]).all()
 
 
 def test_k_token_forward_is_k_single_steps_bitwise(tiny_native):
@@ -314,6 +333,7 @@ def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
     from cascade import generate
     from cascade.cascades import VerticalCascade
     from cascade.drafters import NGramDrafter, QuantizedLMDrafter, SmallLMDrafter
+    from cascade.drafters.draft_head import DraftHeadDrafter
     from cascade.tree_drafter import TreeDrafter
     from cascade.trees import DynamicTreePolicy, StaticTreePolicy
 
@@ -327,6 +347,7 @@ def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
         "int4 native": lambda: QuantizedLMDrafter(lm, "int4_native", k=3) if lm.model.config.hidden_size % 64 == 0
         else QuantizedLMDrafter(lm, "int8_native", k=3),
         "cascade": lambda: VerticalCascade([SmallLMDrafter(lm, k=5), NGramDrafter(k=2)]),
+        "draft head": lambda: DraftHeadDrafter("init", k=3),
         "static tree": lambda: TreeDrafter([SmallLMDrafter(lm)], StaticTreePolicy((2, 2, 1))),
         "dytc": lambda: TreeDrafter([SmallLMDrafter(lm), NGramDrafter(k=1)],
                                     DynamicTreePolicy(t_min=0.02, max_nodes=12, max_depth=4, max_rank=2,
@@ -335,7 +356,8 @@ def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
     for name, make in drafters.items():
         out = generate(lm, prompt, drafter=make(), max_new_tokens=40)
         assert out.tokens == ar, name
-        assert sum(s.accepted for s in out.steps) > 0, name  # the drafts were used, not all rejected
+        if name != "draft head":  # (an untrained head is rarely right: it runs, the target corrects it)
+            assert sum(s.accepted for s in out.steps) > 0, name  # the drafts were used, not all rejected
 
 
 def test_disabled_extension_falls_back_to_fbgemm():

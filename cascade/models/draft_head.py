@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
+from cascade.models.native import NativeFP16Linear, swap_linears
 from cascade.models.checkpoints import load_checkpoint, save_checkpoint
 from cascade.models.layers import decoder_parts, dense_state, trainable_attention
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
@@ -144,15 +145,20 @@ class DraftHead(nn.Module):
 
     def for_inference(self, lm: CausalLM) -> "DraftHead":
         """Move to the target's device and dtype, in eval mode; on a target whose LM head runs on
-        FBGEMM fp16 weights, run the head's linears on that kernel too (weights rounded to fp16
+        fp16 weights (FBGEMM's or cascade's native kernel), run the head's linears on that kernel too (weights rounded to fp16
         first: the head is then that rounded head, whose distributions are the q it reports)."""
         self.check_target(lm)
         self.to(lm.device, lm.dtype).eval()
-        if isinstance(decoder_parts(lm).head, FP16WeightLinear) and fbgemm_available():
+        target_head = decoder_parts(lm).head
+        fbgemm = isinstance(target_head, FP16WeightLinear) and fbgemm_available()
+        if fbgemm or isinstance(target_head, NativeFP16Linear):
             with torch.no_grad():
                 for p in self.parameters():
                     p.copy_(p.half().float())
-            use_fp16_weight_linears(self)
+            if fbgemm:
+                use_fp16_weight_linears(self)
+            else:
+                swap_linears(self, NativeFP16Linear)
         return self
 
     # ---- checkpoints --------------------------------------------------------------------------

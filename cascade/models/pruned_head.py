@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from cascade.models.cpu_kernels import FP16WeightLinear, OneDNNLinear
+from cascade.models.lean import LeanDecoder
 from cascade.models.lm import CausalLM
+from cascade.models.native import NativeLinear
 from cascade.models.quantize import quantize_int8_dynamic
 
 
@@ -51,7 +53,7 @@ def _dense(head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weight [V, H] and bias [V] (or None) that ``head`` multiplies by."""
     if isinstance(head, nn.Linear):
         return head.weight.detach(), None if head.bias is None else head.bias.detach()
-    if isinstance(head, (FP16WeightLinear, OneDNNLinear)):
+    if isinstance(head, (FP16WeightLinear, OneDNNLinear, NativeLinear)):
         state = head.dense_state()
         bias = state.get("bias")
         if isinstance(head, OneDNNLinear) and bias is not None and not bool(bias.any()):
@@ -69,6 +71,8 @@ def _like(head: nn.Module, sub: nn.Linear) -> nn.Module:
         return FP16WeightLinear(sub)  # rows of an exactly-converted head: still exact
     if isinstance(head, OneDNNLinear):
         return OneDNNLinear(sub)
+    if isinstance(head, NativeLinear):  # fp16 rows stay exact; int8 / int4 rows keep their scales
+        return type(head)(sub.float())
     if isinstance(head, torch.ao.nn.quantized.dynamic.Linear):
         return quantize_int8_dynamic(nn.Sequential(sub.float()))[0]
     return sub
@@ -123,4 +127,7 @@ def prune_head(lm: CausalLM, keep: torch.Tensor) -> CausalLM:
     model.set_output_embeddings(pruned)
     if model.get_output_embeddings() is not pruned or lm.model.get_output_embeddings() is not head:
         raise TypeError(f"{type(lm.model).__name__}: could not swap the LM head on a copy")
-    return CausalLM(model, lm.tokenizer, f"{lm.name}[head {keep.numel()}/{vocab}]")
+    pruned_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[head {keep.numel()}/{vocab}]")
+    if lm.lean is not None:  # the lean forward reads the head from the model it is built on
+        pruned_lm.lean = LeanDecoder(model)
+    return pruned_lm
