@@ -43,6 +43,27 @@ constexpr int NC = 32;  // columns per panel
 
 // ---- AVX-512 ---------------------------------------------------------------------------------
 
+// The valid lanes of a panel's two 16-column halves when only ncols of its 32 columns exist.
+struct PanelMasks {
+  __mmask16 low, high;
+};
+
+__attribute__((target("avx512f"))) inline PanelMasks panel_masks(int ncols) {
+  return {ncols >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << ncols) - 1),
+          ncols >= 32 ? static_cast<__mmask16>(0xFFFF)
+                      : ncols <= 16 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << (ncols - 16)) - 1)};
+}
+
+// One output row of a panel: (+ bias), then the valid lanes stored.
+__attribute__((target("avx512f"))) inline void store_row(float* y, __m512 a0, __m512 a1, const float* bias, PanelMasks pm) {
+  if (bias) {
+    a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(pm.low, bias));
+    a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(pm.high, bias + 16));
+  }
+  _mm512_mask_storeu_ps(y, pm.low, a0);
+  _mm512_mask_storeu_ps(y + 16, pm.high, a1);
+}
+
 // One panel, MR rows: acc[m][0..1] hold columns 0-15 and 16-31 of row m.
 template <int MR>
 __attribute__((target("avx512f"))) void fp16_rows_avx512(const float* x, int64_t ldx, const uint16_t* panel,
@@ -61,16 +82,10 @@ __attribute__((target("avx512f"))) void fp16_rows_avx512(const float* x, int64_t
       acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
     }
   }
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  const PanelMasks pm = panel_masks(ncols);
   for (int m = 0; m < MR; ++m) {
     __m512 a0 = acc[m][0], a1 = acc[m][1];
-    if (bias) {
-      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
-      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
-    }
-    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
-    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+    store_row(y + m * ldy, a0, a1, bias, pm);
   }
 }
 
@@ -92,17 +107,11 @@ __attribute__((target("avx512f"))) void int8_rows_avx512(const float* x, int64_t
       acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
     }
   }
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  const __m512 s0 = _mm512_maskz_loadu_ps(m0, scale), s1 = _mm512_maskz_loadu_ps(m1, scale + 16);
+  const PanelMasks pm = panel_masks(ncols);
+  const __m512 s0 = _mm512_maskz_loadu_ps(pm.low, scale), s1 = _mm512_maskz_loadu_ps(pm.high, scale + 16);
   for (int m = 0; m < MR; ++m) {
     __m512 a0 = _mm512_mul_ps(acc[m][0], s0), a1 = _mm512_mul_ps(acc[m][1], s1);
-    if (bias) {
-      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
-      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
-    }
-    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
-    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+    store_row(y + m * ldy, a0, a1, bias, pm);
   }
 }
 
@@ -138,16 +147,10 @@ __attribute__((target("avx512f"))) void int4_rows_avx512(const float* x, int64_t
       acc[m][1] = _mm512_fmadd_ps(_mm512_sub_ps(gacc[m][1], off), s1, acc[m][1]);
     }
   }
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  const PanelMasks pm = panel_masks(ncols);
   for (int m = 0; m < MR; ++m) {
     __m512 a0 = acc[m][0], a1 = acc[m][1];
-    if (bias) {
-      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
-      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
-    }
-    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
-    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+    store_row(y + m * ldy, a0, a1, bias, pm);
   }
 }
 
@@ -585,20 +588,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_rows(const uint
       acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xb, w1);
     }
   }
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  const PanelMasks pm = panel_masks(ncols);
   const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7), c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
   const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
   for (int m = 0; m < MR; ++m) {
     const __m512 xs = _mm512_set1_ps(sx[m]);
     __m512 a0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][0], c0)), _mm512_mul_ps(s0, xs));
     __m512 a1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][1], c1)), _mm512_mul_ps(s1, xs));
-    if (bias) {
-      a0 = _mm512_add_ps(a0, _mm512_maskz_loadu_ps(m0, bias));
-      a1 = _mm512_add_ps(a1, _mm512_maskz_loadu_ps(m1, bias + 16));
-    }
-    _mm512_mask_storeu_ps(y + m * ldy, m0, a0);
-    _mm512_mask_storeu_ps(y + m * ldy + 16, m1, a1);
+    store_row(y + m * ldy, a0, a1, bias, pm);
   }
 }
 
