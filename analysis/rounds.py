@@ -11,6 +11,7 @@ import argparse
 import statistics
 from collections import defaultdict
 
+from cascade.metrics import decode_speedup
 from cascade.results import load_jobs
 
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, p in parts.items():
             total = p["verify"] + p["draft"] + p["accept"] + p["other"]
             method = job.summary.methods[name]
-            decode = f"{method.stats.decode_tokens_per_s / job.summary.methods[base].stats.decode_tokens_per_s:.2f}x"
+            decode = f"{decode_speedup(method.stats, job.summary.methods[base].stats):.2f}x"
             print(f"{name:16s} {p['tokens']:7.2f} {p['inputs']:7.2f} " + " ".join(
                 f"{p[k] / step:7.3f}" for k in ("verify", "draft", "accept", "other"))
                 + f" {total / step:7.3f} {decode:>7s} {method.speedup:6.2f}x")

@@ -15,7 +15,7 @@ from cascade.models.devices import resolve_device, resolve_dtype
 from cascade.models.lean import attach_lean
 from cascade.models.lm import CausalLM
 from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
-from cascade.models.quantize import NATIVE_QUANTIZERS, bitsandbytes_config, quantize_int8_dynamic, resolve_method
+from cascade.models.quantize import NATIVE_QUANTIZERS, bitsandbytes_config, quantize_int8_dynamic, quantize_native, resolve_method
 from cascade.models.tiny import tiny_llama
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _load_quantized(name_or_path: str | Path, method: str, device: torch.device)
         quantize_int8_dynamic(lm.model)
     elif method in NATIVE_QUANTIZERS:
         lm = _load(name_or_path, torch.float32, device)
-        swapped, kept = NATIVE_QUANTIZERS[method](lm.model)
+        swapped, kept = quantize_native(lm.model, method)
         log.info("%s: %d linear layers on %s (%d kept fp32: %s)", lm.name, swapped, method, len(kept), kept[:3])
         attach_lean(lm)
     else:  # nf4 is applied by transformers while loading: the source must be a checkpoint directory

@@ -214,7 +214,7 @@ class NativeInt8Linear(NativeLinear):
         super().__init__(linear)
         q, scale = quantize_int8(linear.weight)
         self.packed = _panels(q)  # [P, K, 32] int8
-        self.scale = _pad(scale, self.packed.shape[0] * PANEL).contiguous()  # [P * 32]
+        self.scale = _pad(scale, self.packed.shape[0] * PANEL)  # [P * 32]
 
     def dense_weight(self) -> torch.Tensor:
         return _unpanel(self.packed, self.out_features).float() * self.scale[: self.out_features, None]
@@ -240,8 +240,8 @@ class NativeInt8VNNILinear(NativeLinear):
         panels = _panels(padded)  # [P, K4, 32]
         p = panels.shape[0]
         self.packed = panels.reshape(p, k4 // 4, 4, PANEL).transpose(2, 3).contiguous()  # [P, K4/4, 32, 4]
-        self.colsum = _pad(q.to(torch.int32).sum(1).to(torch.int32), p * PANEL).contiguous()  # [P * 32]
-        self.scale = _pad(scale, p * PANEL).contiguous()  # [P * 32]
+        self.colsum = _pad(q.sum(1, dtype=torch.int32), p * PANEL)  # [P * 32]
+        self.scale = _pad(scale, p * PANEL)  # [P * 32]
         self.in_k = k
 
     def dense_weight(self) -> torch.Tensor:
@@ -262,7 +262,7 @@ class NativeInt4Linear(NativeLinear):
         q, scale = quantize_int4(linear.weight, group)
         self.group = group
         self.packed = pack_int4(q)  # [P, K, 16] uint8
-        self.scales = _panels(scale).contiguous()  # [P, K / G, 32]
+        self.scales = _panels(scale)  # [P, K / G, 32]
 
     def dense_weight(self) -> torch.Tensor:
         q = unpack_int4(self.packed, self.out_features).float() - 8  # [N, K]

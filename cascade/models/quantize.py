@@ -36,6 +36,10 @@ import warnings
 
 import torch
 
+from cascade.models.lean import attach_lean
+from cascade.models.native import (NativeInt4Linear, NativeInt8Linear, NativeInt8VNNILinear, native_kernels, swap_linears,
+                                   unavailable_reason)
+
 METHODS = ("auto", "int8_dynamic", "int8_native", "int8_vnni", "int4_native", "nf4")
 CPU_METHODS = ("int8_dynamic", "int8_native", "int8_vnni", "int4_native")
 
@@ -52,34 +56,16 @@ def resolve_method(method: str, device: torch.device) -> str:
     return method
 
 
-def _native_swap(make):
-    def swap(model: torch.nn.Module) -> tuple[int, list[str]]:
-        from cascade.models.native import native_kernels, swap_linears, unavailable_reason
-
-        if native_kernels() is None:
-            raise RuntimeError(f"cascade's native kernels are unavailable ({unavailable_reason()}); use 'int8_dynamic'")
-        return swap_linears(model, make())
-    return swap
+# method -> the native linear it swaps in (weight-only int8 / int4, or int8 x int8 with VNNI)
+NATIVE_QUANTIZERS = {"int8_native": NativeInt8Linear, "int8_vnni": NativeInt8VNNILinear, "int4_native": NativeInt4Linear}
 
 
-def _int8_native():
-    from cascade.models.native import NativeInt8Linear
-    return NativeInt8Linear
-
-
-def _int8_vnni():
-    from cascade.models.native import NativeInt8VNNILinear
-    return NativeInt8VNNILinear
-
-
-def _int4_native():
-    from cascade.models.native import NativeInt4Linear
-    return NativeInt4Linear
-
-
-# method -> (fp32 model -> (swapped, kept)): the weight-only quantizers of cascade's native kernels
-NATIVE_QUANTIZERS = {"int8_native": _native_swap(_int8_native), "int8_vnni": _native_swap(_int8_vnni),
-                     "int4_native": _native_swap(_int4_native)}
+def quantize_native(model: torch.nn.Module, method: str) -> tuple[int, list[str]]:
+    """Swap every ``nn.Linear`` of an fp32 CPU model (in place) for ``method``'s native linear;
+    a layer it refuses (int4: K not a multiple of the group) keeps fp32. Returns (swapped, kept)."""
+    if native_kernels() is None:
+        raise RuntimeError(f"cascade's native kernels are unavailable ({unavailable_reason()}); use 'int8_dynamic'")
+    return swap_linears(model, NATIVE_QUANTIZERS[method])
 
 
 def dense_linears(model: torch.nn.Module) -> int:
@@ -128,9 +114,7 @@ def quantized_copy(lm, method: str = "auto"):
     if method == "int8_dynamic":
         quantize_int8_dynamic(model)
         return CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
-    from cascade.models.lean import attach_lean
-
-    NATIVE_QUANTIZERS[method](model)
+    quantize_native(model, method)
     copy_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
     attach_lean(copy_lm)
     return copy_lm

@@ -83,10 +83,7 @@ __attribute__((target("avx512f"))) void fp16_rows_avx512(const float* x, int64_t
     }
   }
   const PanelMasks pm = panel_masks(ncols);
-  for (int m = 0; m < MR; ++m) {
-    __m512 a0 = acc[m][0], a1 = acc[m][1];
-    store_row(y + m * ldy, a0, a1, bias, pm);
-  }
+  for (int m = 0; m < MR; ++m) store_row(y + m * ldy, acc[m][0], acc[m][1], bias, pm);
 }
 
 // int8, one scale per output column: y = (sum_k x_k q_k) * scale (+ bias).
@@ -148,10 +145,7 @@ __attribute__((target("avx512f"))) void int4_rows_avx512(const float* x, int64_t
     }
   }
   const PanelMasks pm = panel_masks(ncols);
-  for (int m = 0; m < MR; ++m) {
-    __m512 a0 = acc[m][0], a1 = acc[m][1];
-    store_row(y + m * ldy, a0, a1, bias, pm);
-  }
+  for (int m = 0; m < MR; ++m) store_row(y + m * ldy, acc[m][0], acc[m][1], bias, pm);
 }
 
 // ---- AVX2 + F16C + FMA -----------------------------------------------------------------------
@@ -336,8 +330,7 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
         run_rows(M, 6, [&](int64_t r0, int rows) {
           const float* xr = xp + r0 * ldx;
           float* yr = yp + r0 * N + p * NC;
-          const float* bb = b;
-          with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, nullptr, bb, yr, N, ncols); });
+          with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, nullptr, b, yr, N, ncols); });
         });
       }
     }
@@ -655,7 +648,7 @@ torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& pack
 // The same ATen operations, in the same order, as transformers' Llama / Qwen2 RMSNorm, rotary
 // embedding and gated MLP (so the results are bitwise theirs; the lean forward checks that once
 // per model and otherwise calls the modules): what this saves is the interpreter's work between
-// the operations, about half the time a small drafter's token spends outside its kernels.
+// the operations.
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   auto h = x.to(torch::kFloat32);
