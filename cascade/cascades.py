@@ -75,7 +75,7 @@ class VerticalCascade(Drafter):
 
     def check_compatible(self, target: CausalLM) -> None:
         self.top.check_compatible(target)
-        self.lower.check_compatible(self.top.model)  # the lower level drafts for the top's model
+        self.lower.check_compatible(self.top.scores_vocabulary_of(target))  # the lower level drafts for the top's model
 
     def bind(self, target: CausalLM, cache) -> None:
         self.top.bind(target, cache)  # the lower level is bound to the top's model in reset()

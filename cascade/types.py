@@ -156,6 +156,32 @@ class Scored:
 
 
 @dataclass
+class Retokenization:
+    """What a cross-tokenizer drafter's change of vocabulary cost, summed over its proposals in
+    the process (``cascade.drafters.cross_tokenizer``)."""
+
+    drafts: int = 0  # chain proposals
+    drafted: int = 0  # string-level match: drafter tokens drafted; intersection: target tokens
+    proposed: int = 0  # target tokens proposed
+    drafted_bytes: int = 0  # string-level match: bytes of the drafted text
+    proposed_bytes: int = 0  # ... of those, carried into proposed target tokens
+    shared_mass: float = 0.0  # intersection: the drafter's probability on shared tokens, summed over drafted rows
+    shared_rows: int = 0
+
+    @property
+    def lost_bytes_frac(self) -> float | None:
+        """String-level match: the fraction of drafted text re-tokenization did not propose (an
+        incomplete character at the end, tokens past the budget, a draft that merged into the
+        context's last token)."""
+        return 1.0 - self.proposed_bytes / self.drafted_bytes if self.drafted_bytes else None
+
+    @property
+    def mean_shared_mass(self) -> float | None:
+        """Intersection: the drafter's mean probability on the tokens it may draft."""
+        return self.shared_mass / self.shared_rows if self.shared_rows else None
+
+
+@dataclass
 class DrafterInfo:
     """What a method is, written into every run summary (analysis reads it instead of guessing
     from config keys or class names)."""
@@ -165,6 +191,7 @@ class DrafterInfo:
     budget: int | None  # most drafted nodes per step (chain: k; a cascade level: per inner round)
     stop: str | None = None  # an LM drafter's stop policy ("FixedK", "ConfidenceStop", ...)
     parts: list["DrafterInfo"] = field(default_factory=list)  # the drafters it is built from, in order
+    retokenization: Retokenization | None = None  # a cross-tokenizer drafter's
 
     @property
     def chain(self) -> bool:

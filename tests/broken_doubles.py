@@ -25,6 +25,9 @@ statistical tests catch each one at the sample size CI uses):
                       (``Verifier.kept``): later steps attend to the wrong keys
 ``UntruncatedQDrafter`` samples from the truncated q, reports q before top-k / top-p
 ``NoReplacementStaticTree`` sampled siblings drawn without replacement, each reporting the full q
+``UnrenormalisedIntersectionDrafter`` cross-tokenizer drafting: samples from the drafter's
+                      distribution restricted to the shared tokens and renormalised, reports it
+                      not renormalised
 ``sibling_vs_p``      a deterministic child judged against the target's ``p`` instead of the
                       residual left by its rejected siblings (accept w.p. p(x), not
                       p(x) / (1 - p(earlier siblings))); the recovered token is still drawn
@@ -40,6 +43,7 @@ import torch
 
 from cascade.cascades import VerticalCascade
 from cascade.drafters import SmallLMDrafter
+from cascade.drafters.cross_tokenizer import CrossTokenizerDrafter
 from cascade.sampling import logits_to_probs, sample
 from cascade.tree import children_of, is_chain, tree_positions
 from cascade.trees import StaticTreePolicy
@@ -309,3 +313,26 @@ class NoReplacementStaticTree(StaticTreePolicy):
             left[token] = 0
             out.append(tree.add(node, 0, rank, token, q, tree.reach(node) * self.acceptance.sibling(0, depth, rank)))
         return out
+
+
+class UnrenormalisedIntersectionDrafter(CrossTokenizerDrafter):
+    """Cross-tokenizer drafting by the token-level intersection with one mistake: tokens are
+    sampled from the drafter's distribution restricted to the shared tokens and renormalised,
+    but the reported q is the restricted distribution *not* renormalised (the drafter's own
+    processed probabilities of the shared tokens, summing to its mass on them): p / q is then
+    too large wherever the drafter puts mass outside the intersection."""
+
+    _masses: list[float] = []  # the drafter's mass on the shared tokens at each row of the current draft
+
+    def _in_target_vocabulary(self, rows):
+        self._masses = self._masses + self._bridge().shared_mass(rows).tolist()
+        return super()._in_target_vocabulary(rows)
+
+    def propose(self, context, budget):
+        self._masses = []
+        block = super().propose(context, budget)
+        if block.q is None or block.k == 0:
+            return block
+        # one row per drafted token: the start's, then one per _continue
+        masses = torch.tensor(self._masses[-block.k:], dtype=block.q.dtype)
+        return DraftBlock(block.tokens, block.q * masses[:, None], block.drafter, stop=block.stop)

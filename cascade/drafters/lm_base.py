@@ -100,6 +100,11 @@ class LMDrafter(Drafter):
             check_same_vocabulary(self.model, target)
             self._compatible_with.add(id(target))
 
+    def scores_vocabulary_of(self, target: CausalLM) -> CausalLM:
+        """The model whose vocabulary this drafter's ``score`` rows index when it drafts for
+        ``target``: a level below it in a vertical cascade must draft in that vocabulary."""
+        return self.model
+
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
         self.stop.reset(generator)

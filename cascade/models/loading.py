@@ -16,7 +16,7 @@ from cascade.models.lean import attach_lean
 from cascade.models.lm import CausalLM
 from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
 from cascade.models.quantize import NATIVE_QUANTIZERS, bitsandbytes_config, quantize_int8_dynamic, quantize_native, resolve_method
-from cascade.models.tiny import tiny_llama
+from cascade.models.tiny import tiny_bpe_tokenizer, tiny_llama
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ def load_model(
     ``name_or_path``: a zoo name (``python -m cascade.models list``; fetched on first use), a
     ``.gguf`` file, a local directory with a transformers checkpoint, a Hugging Face id
     (needs a reachable hub or a populated HF cache), or ``tiny:SEED`` (a tiny random Llama with
-    a 256-token byte-level vocabulary and 4 layers, for debug runs).
+    a 256-token byte-level vocabulary and 4 layers, for debug runs), or ``tiny-bpe:SEED`` (the same
+    with a 320-token byte-level BPE tokenizer of its own: a drafter from "another family").
 
     ``onednn=True`` (fp32 on CPU only) runs the linear layers through oneDNN, whose cost grows
     far less with the number of tokens per forward on CPUs without native bf16; see
@@ -180,6 +181,10 @@ def _load(name_or_path: str | Path, dtype: torch.dtype, device: torch.device) ->
     path = Path(text).expanduser()
     if text.startswith("tiny:"):
         return tiny_llama(vocab_size=256, num_layers=4, seed=int(text[5:]), dtype=dtype, device=device, name=text)
+    if text.startswith("tiny-bpe:"):  # another tokenizer than tiny:SEED's bytes (cross-tokenizer drafting)
+        seed = int(text[9:])
+        return tiny_llama(num_layers=4, seed=seed, dtype=dtype, device=device, name=text,
+                          tokenizer=tiny_bpe_tokenizer(320, seed))
     if text in zoo.ZOO:
         lm = _from_pretrained(zoo.fetch(text), dtype, device)
         lm.name = text
