@@ -28,6 +28,10 @@ Definitions (summed over all steps of all generations in a run, never averaged p
 ``tree_drafter_forwards_per_step``
     for token trees: LM drafter forwards per step (level by level: at most one per depth and
     drafter, plus a start when a drafter joins below the root).
+``tree_by_drafter``
+    for token trees, per drafter: tree nodes it proposed per step, the fraction of them on the
+    accepted path (its α inside the tree: siblings lower it, as for ``tree_acceptance``) and its
+    ``c``: the time of its calls growing the tree per node it proposed / target time per forward.
 ``levels``
     for cascades, per inner level: ``alpha`` (accepted by the level above it / drafted) and
     ``c`` (its time per drafted token / target time per verification forward). The top level of
@@ -41,7 +45,7 @@ import json
 import os
 from collections import defaultdict
 from pathlib import Path
-from cascade.summary import Decomposition, HeldOut, LevelSummary, RunStats
+from cascade.summary import Decomposition, HeldOut, LevelSummary, RunStats, TreeDrafterSummary
 from cascade.theory import expected_tokens_per_position, predicted_speedup
 from cascade.types import LevelStats
 
@@ -91,7 +95,25 @@ def summarize(generations: list) -> RunStats:
         tree_acceptance=sum(s.accepted for s in tree_steps) / tree_nodes if tree_nodes else None,
         tree_drafter_forwards_per_step=(sum(s.tree.drafter_forwards for s in tree_steps) / len(tree_steps)
                                         if tree_steps else None),
+        tree_by_drafter=_tree_by_drafter(tree_steps, per_forward),
     )
+
+
+def _tree_by_drafter(tree_steps, per_forward: float | None) -> dict[str, TreeDrafterSummary]:
+    """Per drafter of a tree: the nodes it proposed per step, the fraction of them on the
+    accepted path, and its time per proposed node over the target's time per forward."""
+    nodes: dict[str, int] = defaultdict(int)
+    kept: dict[str, int] = defaultdict(int)
+    seconds: dict[str, float] = defaultdict(float)
+    for s in tree_steps:
+        on_path = set(s.accepted_path)
+        for i, name in enumerate(s.tree.node_drafters):
+            nodes[name] += 1
+            kept[name] += i in on_path
+        for name, t in s.tree.drafter_seconds.items():
+            seconds[name] += t
+    return {d: TreeDrafterSummary(nodes[d] / len(tree_steps), kept[d] / nodes[d],
+                                  seconds[d] / nodes[d] / per_forward if per_forward else None) for d in nodes}
 
 
 def alpha_by_depth(steps) -> list[float]:

@@ -49,7 +49,7 @@ from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interle
 from cascade.metrics import write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
 from cascade.summary import Environment, MethodSummary, RunSummary
-from cascade.types import SamplingConfig
+from cascade.types import DrafterInfo, SamplingConfig
 from cascade.verify import VERIFIERS, verifier_named
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,12 @@ def _fmt(x, spec: str = "{:.2f}x") -> str:
     return "-" if x is None else spec.format(x)
 
 
+def _with_retokenization(info: DrafterInfo) -> list[DrafterInfo]:
+    """The cross-tokenizer drafters inside a method (``DrafterInfo.retokenization``)."""
+    own = [info] if info.retokenization is not None and info.retokenization.drafts else []
+    return own + [d for p in info.parts for d in _with_retokenization(p)]
+
+
 def _table(results: dict[str, MethodSummary]) -> str:
     """alpha: a chain's acceptance; a tree's (accepted path / nodes) is shown as `tree 0.xxx`.
     speedup: tok/s of whole calls (prefill included) over the baseline's; decode: the same without
@@ -176,6 +182,13 @@ def _table(results: dict[str, MethodSummary]) -> str:
         for level, lv in s.levels.items():
             if lv.alpha is not None:
                 lines.append(f"  level {level}: alpha {lv.alpha:.3f}, c {_fmt(lv.c, '{:.3f}')}")
+        for drafter, tv in s.tree_by_drafter.items():
+            lines.append(f"  tree drafter {drafter}: {tv.nodes_per_step:.2f} nodes/step, on the path {tv.accepted:.3f}, "
+                         f"c {_fmt(tv.c, '{:.3f}')}")
+        for info in _with_retokenization(r.drafter):
+            rt = info.retokenization
+            lines.append(f"  re-tokenization {info.name}: {rt.drafted} drafted -> {rt.proposed} proposed, text lost "
+                         f"{_fmt(rt.lost_bytes_frac, '{:.1%}')}, drafter mass on shared tokens {_fmt(rt.mean_shared_mass, '{:.3f}')}")
         if r.by_category and name != BASELINE:
             lines.append("  by category (tau, speedup): " + ", ".join(
                 f"{c} {_fmt(v.tau, '{:.2f}')} {v.speedup:.2f}x" for c, v in r.by_category.items()))

@@ -32,6 +32,15 @@ class LevelSummary:
 
 
 @dataclass
+class TreeDrafterSummary:
+    """One drafter inside a tree drafter over a run (``metrics`` docstring: ``tree_by_drafter``)."""
+
+    nodes_per_step: float  # tree nodes it proposed, per step
+    accepted: float  # of those, the fraction on the accepted path
+    c: float | None  # its time per proposed node / target time per verification forward
+
+
+@dataclass
 class RunStats:
     """Summary of a list of generations of one method (``cascade.metrics.summarize``)."""
 
@@ -57,6 +66,7 @@ class RunStats:
     tree_nodes_per_step: float | None = None
     tree_acceptance: float | None = None
     tree_drafter_forwards_per_step: float | None = None
+    tree_by_drafter: dict[str, TreeDrafterSummary] = field(default_factory=dict)
 
     @property
     def c(self) -> float | None:

@@ -109,9 +109,16 @@ class TreeDrafter(Drafter):
             node_drafters=[self.names[n.drafter] for n in nodes],
             expected_accepted=round(sum(n.reach for n in nodes), 4),
             drafter_forwards=tree.forwards,
+            drafter_seconds=self._seconds_by_drafter(tree),
             estimates=self.policy.estimates(),
         )
         return DraftBlock(tokens, q, self.name, parents=parents, tree=stats)
+
+    def _seconds_by_drafter(self, tree: Tree) -> dict[str, float]:
+        seconds: dict[str, float] = {}
+        for t in tree.timings:
+            seconds[self.names[t.drafter]] = seconds.get(self.names[t.drafter], 0.0) + t.seconds
+        return seconds
 
     def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
                 hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:

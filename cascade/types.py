@@ -85,6 +85,7 @@ class TreeStats:
     node_drafters: list[str]  # [n] the drafter that proposed each node
     expected_accepted: float  # the policy's own expectation of accepted nodes (sum of path reaches)
     drafter_forwards: int = 0  # LM drafter forwards spent growing it (at most one per depth and drafter)
+    drafter_seconds: dict[str, float] = field(default_factory=dict)  # time of each drafter's calls growing it
     estimates: dict = field(default_factory=dict)  # the policy's α̂ / cost estimates (logged, JSON)
 
 

@@ -1,6 +1,7 @@
 """Drafters: the protocol, the built-in drafters and their stop policies."""
 
 from cascade.drafters.base import Drafter
+from cascade.drafters.cross_tokenizer import CrossTokenizerDrafter
 from cascade.drafters.draft_head import DraftHeadDrafter
 from cascade.drafters.frequent_head import frequent_head
 from cascade.drafters.layer_skip import LayerSkipDrafter
@@ -14,6 +15,7 @@ from cascade.drafters.suffix import Datastore, SuffixDrafter
 
 __all__ = [
     "ConfidenceStop",
+    "CrossTokenizerDrafter",
     "Datastore",
     "DraftHeadDrafter",
     "Drafter",
