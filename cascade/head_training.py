@@ -176,9 +176,10 @@ def unroll(head: DraftHead, lm: CausalLM, chunk: Chunk, steps: int) -> list[torc
 
 
 def chunk_loss(head: DraftHead, lm: CausalLM, chunk: Chunk, head_rows: torch.Tensor, steps: int,
-               feature_weight: float) -> tuple[torch.Tensor, list[float]]:
-    """Summed loss over the unrolled steps and each step's top-1 agreement with the teacher on
-    the head's vocabulary. ``head_rows``: [|S|, H] the target's LM-head rows of the head's vocabulary."""
+               feature_weight: float, ce_weight: float = 1.0) -> tuple[torch.Tensor, list[float]]:
+    """Summed loss over the unrolled steps (``ce_weight`` x cross-entropy + ``feature_weight`` x
+    smooth-L1 per step) and each step's top-1 agreement with the teacher on the head's
+    vocabulary. ``head_rows``: [|S|, H] the target's LM-head rows of the head's vocabulary."""
     feats = chunk.features.to(head_rows.device, head_rows.dtype)
     with torch.no_grad():
         teacher = torch.softmax(feats[1:] @ head_rows.T, -1)  # [n, |S|] the target's distribution over S
@@ -190,7 +191,7 @@ def chunk_loss(head: DraftHead, lm: CausalLM, chunk: Chunk, head_rows: torch.Ten
         student = torch.log_softmax(out[valid] @ head_rows.T, -1)  # [n', |S|]
         ce = -(teacher[valid] * student).sum(-1).mean()
         reg = torch.nn.functional.smooth_l1_loss(out[valid], feats[1:][valid])
-        total = total + ce + feature_weight * reg
+        total = total + ce_weight * ce + feature_weight * reg
         hits.append(float((student.argmax(-1) == teacher[valid].argmax(-1)).float().mean()))
     return total, hits
 

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from cascade.head_training import agreement, capture_features, chunk_loss, chunks_sha256, corpus_chunks
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
-from cascade.models.draft_head import DraftHead
+from cascade.models.draft_head import DraftHead, HeadLayout
 from cascade.models.layers import decoder_parts, dense_weight
 from cascade.models.pruned_head import rank_by_frequency
 from cascade.models.zoo import cache_root
@@ -46,6 +46,10 @@ def _check(t) -> None:
         raise ConfigError(f"train.train_tokens must be >= 2 or null, got {t.train_tokens}")
     if t.vocab is not None and t.vocab < 1:
         raise ConfigError(f"train.vocab must be >= 1 or null, got {t.vocab}")
+    if t.batch_chunks < 1:
+        raise ConfigError(f"train.batch_chunks must be >= 1, got {t.batch_chunks}")
+    if t.fusion not in ("concat", "normed"):
+        raise ConfigError(f"train.fusion must be concat or normed, got {t.fusion!r}")
 
 
 def _lr(step: int, total: int, base: float, warmup: int) -> float:
@@ -82,32 +86,39 @@ def _train_epochs(head: DraftHead, lm, train_chunks: list, held: list, head_rows
     and the checkpoint (atomic). Returns the per-epoch history."""
     t = cfg.train
     opt = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    total_steps = t.epochs * len(train_chunks)
-    warmup = max(1, int(0.05 * total_steps))
+    per_epoch = math.ceil(len(train_chunks) / t.batch_chunks)  # optimiser steps per epoch
+    total_steps = t.epochs * per_epoch
+    warmup = t.warmup_steps if t.warmup_steps is not None else max(1, int(0.05 * total_steps))
     history, step = [], 0
     bar = tqdm(total=total_steps, desc="train head", disable=not cfg.progress)
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)
     for epoch in range(t.epochs):
         head.train()
-        loss_sum = 0.0
-        for i in torch.randperm(len(train_chunks), generator=gen).tolist():
+        loss_sum, train_hits = 0.0, []
+        order = torch.randperm(len(train_chunks), generator=gen).tolist()
+        for first in range(0, len(order), t.batch_chunks):  # one optimiser step per batch of chunks
+            batch = order[first:first + t.batch_chunks]
             for group in opt.param_groups:
                 group["lr"] = _lr(step, total_steps, t.lr, warmup)
-            loss, hits = chunk_loss(head, lm, train_chunks[i], head_rows, t.unroll, t.feature_weight)
             opt.zero_grad()
-            loss.backward()
+            for i in batch:
+                loss, hits = chunk_loss(head, lm, train_chunks[i], head_rows, t.unroll, t.feature_weight, t.ce_weight)
+                (loss / len(batch)).backward()
+                loss_sum += loss.item()
+                train_hits.append(hits[0])
             torch.nn.utils.clip_grad_norm_(head.parameters(), t.clip)
             opt.step()
-            loss_sum += loss.item()
             step += 1
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", top1=f"{hits[0]:.2f}")
         head.eval()
         agree = agreement(head, lm, held, head_rows, vocab)
-        history.append({"epoch": epoch, "loss": loss_sum / len(train_chunks), "agreement": agree,
+        history.append({"epoch": epoch, "steps": step, "loss": loss_sum / len(train_chunks), "agreement": agree,
+                        "train_top1": sum(train_hits) / len(train_hits),  # depth 1, on the chunks as trained
                         "elapsed_s": time.perf_counter() - t0})
-        print(f"epoch {epoch}: loss {history[-1]['loss']:.3f}, held-out top-1 agreement at depths 1-4: "
+        print(f"epoch {epoch} ({step} steps): loss {history[-1]['loss']:.3f}, training-set top-1 (depth 1) "
+              f"{history[-1]['train_top1']:.3f}, held-out top-1 agreement at depths 1-4: "
               + " ".join(f"{a:.3f}" for a in agree), flush=True)
         head.save(ckpt, metrics={"epochs_done": epoch + 1, "history": history})  # nothing lost on interruption
     bar.close()
@@ -123,6 +134,8 @@ def train(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     m = cfg.models
     lm = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+    for p in lm.model.parameters():  # the target is frozen: no gradient for its embedding or head
+        p.requires_grad_(False)
     sources = dict(t.sources)
 
     t0 = time.perf_counter()
@@ -138,7 +151,7 @@ def train(cfg: DictConfig) -> dict:
     if t.train_tokens is not None:  # a smaller training set from the same captured features
         train_chunks = _first_tokens(train_chunks, t.train_tokens)
     vocab = _head_vocab(lm, train_chunks, t.vocab)
-    head = DraftHead.from_target(lm, vocab, seed=cfg.seed).to(lm.device)
+    head = DraftHead.from_target(lm, vocab, seed=cfg.seed, layout=HeadLayout(t.fusion)).to(lm.device)
     head_w = dense_weight(decoder_parts(lm).head)  # [V, H]
     head_rows = (head_w if vocab is None else head_w[vocab]).to(lm.device)  # [|S|, H]
     del head_w
@@ -153,6 +166,7 @@ def train(cfg: DictConfig) -> dict:
         "target": lm.name, "sources": sources, "features_dir": str(features_dir),
         "train_tokens": sum(c.tokens.numel() for c in train_chunks), "heldout_tokens": sum(c.tokens.numel() for c in held),
         "vocab": None if vocab is None else int(vocab.numel()), "unroll": t.unroll, "epochs": t.epochs,
+        "fusion": t.fusion, "batch_chunks": t.batch_chunks, "steps": history[-1]["steps"],
         "agreement_init": agree_init, "agreement": history[-1]["agreement"], "history": history,
         "feature_time_s": feature_s, "train_time_s": time.perf_counter() - t1,
     }

@@ -14,7 +14,7 @@ from cascade import generate
 from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade.drafters import ConfidenceStop, NGramDrafter, SmallLMDrafter, TokenRecyclingDrafter
 from cascade.drafters.cross_tokenizer import CrossTokenizerDrafter
-from cascade.drafters.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
+from cascade.models.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
 from cascade.models import CausalLM, perturbed_copy, tiny_llama
 from cascade.models.tiny import text_aligned_copy, tiny_bpe_tokenizer
 from cascade.tree_drafter import TreeDrafter

@@ -28,7 +28,7 @@ from cascade.tree_drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
 from cascade.verify import VERIFIERS as RULES
-from head_fit import fitted_head
+from head_fit import eagle_release, fitted_head
 from deep_stats import LEVEL, exact_law, hf_warpers, lossless_pvalue, sample_outputs
 
 V = 5
@@ -98,6 +98,8 @@ def methods(target, close, far):
         "chain_draft_head": lambda: DraftHeadDrafter(fitted_head(target, motif=3), k=5),
         "static_tree_draft_head": lambda: TreeDrafter([DraftHeadDrafter(fitted_head(target, motif=3))],
                                                       StaticTreePolicy((2, 1, 1, 1))),
+        # a published-format EAGLE-1/2 head (a fitted head written as EAGLE's code writes one, loaded back)
+        "chain_eagle_release": lambda: DraftHeadDrafter(str(eagle_release(target, motif=3)), k=5),
         "dytc_draft_head": lambda: TreeDrafter([DraftHeadDrafter(fitted_head(target, motif=3)), SmallLMDrafter(close),
                                                 NGramDrafter(k=1)],
                                                DynamicTreePolicy(t_min=0.02, max_nodes=24, max_depth=5, max_rank=1,

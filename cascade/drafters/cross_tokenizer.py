@@ -1,7 +1,7 @@
 """A drafter from another model family: its own tokenizer, its own KV cache, the target's ids out.
 
 ``CrossTokenizerDrafter(model)`` drafts for any target whose vocabulary, like the drafter's, is
-byte-level BPE (``cascade.drafters.vocabulary``). It reads the committed text (the target's ids
+byte-level BPE (``cascade.models.vocabulary``). It reads the committed text (the target's ids
 turned into bytes and re-tokenized with its own tokenizer) and proposes target ids by one of two
 rules (Timor et al., ICML 2025, "Accelerating LLM Inference with Lossless Speculative Decoding
 Algorithms for Heterogeneous Vocabularies"):
@@ -45,7 +45,7 @@ import torch
 from cascade.drafters.lm_base import LMDrafter
 from cascade.drafters.small_lm import common_prefix_len
 from cascade.drafters.stopping import FixedK, StopPolicy
-from cascade.drafters.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
+from cascade.models.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
 from cascade.models.lm import CausalLM
 from cascade.tree import level_inputs
 from cascade.types import DraftBlock, DrafterInfo, Retokenization, SamplingConfig

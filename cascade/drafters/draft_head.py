@@ -38,7 +38,8 @@ class DraftHeadDrafter(LMDrafter):
 
     def __init__(self, head: DraftHead | str, k: int = 4, sample: bool = True, stop: StopPolicy | None = None,
                  stop_below: float | None = None, name: str | None = None) -> None:
-        """head: a ``DraftHead``, a checkpoint path (``python -m cascade.train_head``), or "init"
+        """head: a ``DraftHead``, a checkpoint path (``python -m cascade.train_head``), a published
+        EAGLE-1/2 head (its directory or weight file: ``DraftHead.from_eagle``), or "init"
         (untrained, built from the target: for debug runs and tests)."""
         super().__init__(k=k, sample=sample, stop=stop, stop_below=stop_below)
         self._head_spec = head
@@ -53,7 +54,7 @@ class DraftHeadDrafter(LMDrafter):
         if self.model is target:
             return
         if self.head is None or self._head_spec == "init":
-            self.head = DraftHead.from_target(target) if self._head_spec == "init" else DraftHead.load(self._head_spec, target)
+            self.head = DraftHead.from_target(target) if self._head_spec == "init" else DraftHead.open(self._head_spec, target)
         self.head.for_inference(target)  # refuses a head built for another target
         self._readout = self.head.readout(target)
         self.model = target

@@ -18,14 +18,27 @@ that. Embeddings, rotary embedding and LM head are the target's modules, never c
 its loss to those ids, drafting reads only their LM-head rows; every other id gets probability 0,
 so q stays the exact distribution drafts are sampled from (lossless whatever the vocabulary).
 
+Layout (:class:`HeadLayout`, saved with the weights). ``fusion="concat"``: ``fc`` reads
+[f_t, e(x_{t+1})] as they are (EAGLE-1/2). ``fusion="normed"``: each half is RMS-normalised with
+its own gain first (EAGLE-3's separate input norms): f_t lives after the target's final norm (RMS
+~4.7 on Qwen2.5-Coder-1.5B) while embedding rows have RMS ~0.02, so unnormalised the token the
+head must condition on is a fraction of a percent of ``fc``'s input. ``input_norm`` /
+``output_norm``: whether the decoder layer keeps its input norm and the head its final norm
+(EAGLE-1/2's released heads have neither: their layer's output goes straight to the LM head).
+
 Checkpoints (format ``cascade.draft_head/1``) hold the target's name and sizes, the head's
-vocabulary, state dict and training metrics; :meth:`DraftHead.load` refuses a checkpoint made for
-another target shape (hidden size, layer count, vocabulary size) or another target name.
+vocabulary and layout, state dict and training metrics; :meth:`DraftHead.load` refuses a
+checkpoint made for another target shape (hidden size, layer count, vocabulary size) or another
+target name. :meth:`DraftHead.from_eagle` reads a head in the format EAGLE-1/2's released code
+writes (``fc`` 2H -> H over [embedding, feature], ``layers.0.*`` without an input norm, a
+``config.json``), for any target whose sizes it fits; :meth:`DraftHead.open` tells the two apart.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +54,23 @@ from cascade.models.lm import FINAL_HIDDEN, CausalLM
 from cascade.models.pruned_head import PrunedHead
 
 FORMAT = "cascade.draft_head/1"
-__all__ = ["FINAL_HIDDEN", "FORMAT", "DraftHead", "HeadCheckpointError"]
+__all__ = ["EAGLE_LAYOUT", "FINAL_HIDDEN", "FORMAT", "DraftHead", "HeadCheckpointError", "HeadLayout"]
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """What a head's weights mean (the module docstring)."""
+
+    fusion: str = "concat"  # "concat" | "normed"
+    input_norm: bool = True  # the decoder layer's input norm
+    output_norm: bool = True  # the head's final norm
+
+    def __post_init__(self) -> None:
+        if self.fusion not in ("concat", "normed"):
+            raise ValueError(f"fusion must be 'concat' or 'normed', got {self.fusion!r}")
+
+
+EAGLE_LAYOUT = HeadLayout("concat", input_norm=False, output_norm=False)  # EAGLE-1/2's released heads
 
 
 class HeadCheckpointError(ValueError):
@@ -55,9 +84,14 @@ def _target_facts(lm: CausalLM) -> dict:
 
 
 class DraftHead(nn.Module):
-    def __init__(self, fc: nn.Linear, layer: nn.Module, norm: nn.Module, config, facts: dict, vocab: torch.Tensor | None) -> None:
+    def __init__(self, fc: nn.Linear, layer: nn.Module, norm: nn.Module, config, facts: dict, vocab: torch.Tensor | None,
+                 layout: HeadLayout = HeadLayout(), feature_norm: nn.Module | None = None,
+                 embed_norm: nn.Module | None = None) -> None:
         super().__init__()
         self.fc, self.layer, self.norm = fc, layer, norm
+        self.layout = layout
+        self.feature_norm = feature_norm or nn.Identity()  # "normed" fusion: RMS norms of each half
+        self.embed_norm = embed_norm or nn.Identity()
         self.config = config  # a one-layer copy of the target's config (the target's is untouched)
         self.facts = dict(facts)  # the target this head was built for: name, hidden size, layers, vocabulary
         self.register_buffer("vocab", None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64).reshape(-1))
@@ -68,9 +102,11 @@ class DraftHead(nn.Module):
         return int(self.facts["hidden_size"])
 
     @classmethod
-    def from_target(cls, lm: CausalLM, vocab: torch.Tensor | None = None, seed: int = 0) -> "DraftHead":
+    def from_target(cls, lm: CausalLM, vocab: torch.Tensor | None = None, seed: int = 0,
+                    layout: HeadLayout = HeadLayout()) -> "DraftHead":
         """A head for ``lm``: its layer initialised from the target's last decoder layer, its norm
-        from the target's final norm, ``fc`` at random (seeded)."""
+        from the target's final norm, ``fc`` at random (seeded); ``layout`` says which norms it
+        has (the "normed" fusion's two norms start at unit gain)."""
         parts = decoder_parts(lm)
         facts = _target_facts(lm)
         if vocab is not None:
@@ -94,8 +130,16 @@ class DraftHead(nn.Module):
             bound = 1.0 / (2 * hidden) ** 0.5
             fc.weight.copy_(torch.empty(hidden, 2 * hidden).uniform_(-bound, bound, generator=gen))
             fc.bias.zero_()
-        norm = copy.deepcopy(parts.norm).float()
-        return cls(fc, layer.float(), norm, config, facts, vocab)
+        norm = copy.deepcopy(parts.norm).float() if layout.output_norm else nn.Identity()
+        if not layout.input_norm:
+            layer.input_layernorm = nn.Identity()
+        halves = {}
+        if layout.fusion == "normed":
+            for name in ("feature_norm", "embed_norm"):
+                halves[name] = copy.deepcopy(parts.norm).float()
+                with torch.no_grad():
+                    halves[name].weight.fill_(1.0)
+        return cls(fc, layer.float(), norm, config, facts, vocab, layout, **halves)
 
     # ---- cache ------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
@@ -115,7 +159,8 @@ class DraftHead(nn.Module):
         parts = decoder_parts(lm)
         dtype = self.fc.weight.dtype if isinstance(self.fc, nn.Linear) else lm.dtype
         emb = parts.embed(tokens.reshape(-1).to(lm.device)).to(dtype)  # [n, H]
-        x = self.fc(torch.cat([features.to(emb.device, dtype), emb], -1)).unsqueeze(0)  # [1, n, H]
+        fused = torch.cat([self.feature_norm(features.to(emb.device, dtype)), self.embed_norm(emb)], -1)  # [n, 2H]
+        x = self.fc(fused).unsqueeze(0)  # [1, n, H]
         pos = positions.reshape(1, -1).to(x.device)  # [1, n]
         pe = parts.rotary(x, position_ids=pos)
         if attention_mask is not None:
@@ -164,7 +209,7 @@ class DraftHead(nn.Module):
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path, metrics: dict | None = None) -> Path:
         payload = {
-            "format": FORMAT, **self.facts,
+            "format": FORMAT, **self.facts, "layout": asdict(self.layout),
             "vocab": None if self.vocab is None else self.vocab.cpu(),
             "state_dict": {k: v.detach().float().cpu() for k, v in self.state_dict().items() if k != "vocab"},
             "metrics": metrics or {},
@@ -179,7 +224,7 @@ class DraftHead(nn.Module):
         if wrong:
             detail = ", ".join(f"{k}: checkpoint {mine!r}, target {theirs!r}" for k, (mine, theirs) in wrong.items())
             raise HeadCheckpointError(f"{path} was trained for another target ({detail})")
-        head = cls.from_target(lm, payload["vocab"])
+        head = cls.from_target(lm, payload["vocab"], layout=HeadLayout(**payload.get("layout", {})))
         head.load_state_dict(payload["state_dict"], strict=False)
         missing = set(head.state_dict()) - set(payload["state_dict"]) - {"vocab"}
         if missing:
@@ -187,3 +232,98 @@ class DraftHead(nn.Module):
         head.metrics = payload.get("metrics", {})
         return head
 
+
+    # ---- published heads ------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path, lm: CausalLM) -> "DraftHead":
+        """A head from ``path``, whichever format: a cascade checkpoint (``python -m
+        cascade.train_head``) or an EAGLE-1/2 release (a directory, or its weight file)."""
+        path = Path(path).expanduser()
+        if path.is_dir() or path.suffix in (".bin", ".safetensors") or path.name.startswith("pytorch_model"):
+            return cls.from_eagle(path, lm)
+        return cls.load(path, lm)
+
+    @classmethod
+    def from_eagle(cls, path: str | Path, lm: CausalLM) -> "DraftHead":
+        """An EAGLE-1/2 head in the format its released code writes: ``fc.weight`` [H, 2H] (+
+        ``fc.bias``) over [embedding, feature], one decoder layer ``layers.0.*`` without an input
+        norm, no final norm, the target's LM head; optionally ``embed_tokens.weight`` (a copy of the
+        target's embedding: checked, not used) and a ``config.json`` beside the weights (checked
+        against the target's). Refuses a checkpoint whose sizes do not fit ``lm`` and EAGLE-3's
+        format (three captured layers, a draft vocabulary), naming what differs."""
+        path = Path(path).expanduser()
+        weights, config = _eagle_files(path)
+        state = _read_state(weights)
+        if any(k.startswith("midlayer.") for k in state) or "d2t" in state:
+            raise HeadCheckpointError(
+                f"{weights} is an EAGLE-3 head (midlayer.*, a draft vocabulary): cascade loads EAGLE-1/2 heads; an "
+                "EAGLE-3 head reads three of the target's layers, which the decode loop does not capture")
+        parts = decoder_parts(lm)
+        hidden, vocab_size = int(parts.config.hidden_size), lm.vocab_size
+        wrong = []
+        if config is not None:
+            for key, mine in (("hidden_size", hidden), ("vocab_size", vocab_size),
+                              ("num_attention_heads", parts.config.num_attention_heads),
+                              ("num_key_value_heads", parts.config.num_key_value_heads),
+                              ("intermediate_size", parts.config.intermediate_size)):
+                if key in config and int(config[key]) != int(mine):
+                    wrong.append(f"{key} {config[key]} (target {mine})")
+        if "fc.weight" not in state:
+            raise HeadCheckpointError(f"{weights} has no fc.weight: not an EAGLE head")
+        if tuple(state["fc.weight"].shape) != (hidden, 2 * hidden):
+            wrong.append(f"fc.weight {tuple(state['fc.weight'].shape)} (target needs {(hidden, 2 * hidden)})")
+        emb = state.get("embed_tokens.weight")
+        if emb is not None and tuple(emb.shape) != (vocab_size, hidden):
+            wrong.append(f"embed_tokens.weight {tuple(emb.shape)} (target {(vocab_size, hidden)})")
+        deeper = sorted({k.split(".")[1] for k in state if k.startswith("layers.") and not k.startswith("layers.0.")})
+        if deeper:
+            wrong.append(f"decoder layers {['0'] + deeper} (cascade's head has one)")
+        if wrong:
+            raise HeadCheckpointError(f"{weights} was made for another target than {lm.name!r}: " + "; ".join(wrong))
+        head = cls.from_target(lm, None, layout=EAGLE_LAYOUT)
+        layer_state = {k[len("layers.0."):]: v.float() for k, v in state.items() if k.startswith("layers.0.")}
+        expected = head.layer.state_dict()
+        for key in [k for k in expected if k.endswith(".bias") and k not in layer_state]:
+            layer_state[key] = torch.zeros_like(expected[key])  # a head written without q/k/v biases: zero biases
+        missing, unexpected = set(expected) - set(layer_state), set(layer_state) - set(expected)
+        if missing or unexpected:
+            raise HeadCheckpointError(f"{weights}: layer weights do not fit {type(head.layer).__name__} (missing "
+                                      f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+        bad = [k for k, v in layer_state.items() if v.shape != expected[k].shape]
+        if bad:
+            raise HeadCheckpointError(f"{weights}: {bad[0]} has shape {tuple(layer_state[bad[0]].shape)}, the target's "
+                                      f"layer needs {tuple(expected[bad[0]].shape)}")
+        head.layer.load_state_dict(layer_state)
+        w = state["fc.weight"].float()
+        with torch.no_grad():
+            head.fc.weight.copy_(torch.cat([w[:, hidden:], w[:, :hidden]], 1))  # EAGLE reads [embedding, feature]
+            head.fc.bias.copy_(state["fc.bias"].float() if "fc.bias" in state else torch.zeros(hidden))
+        head.metrics = {"source": str(weights), "format": "eagle-1/2"}
+        return head
+
+
+def _eagle_files(path: Path) -> tuple[Path, dict | None]:
+    """The weight file and the parsed config.json (None when absent) of an EAGLE release."""
+    folder = path if path.is_dir() else path.parent
+    if path.is_dir():
+        found = [folder / n for n in ("model.safetensors", "pytorch_model.bin") if (folder / n).is_file()]
+        if not found:
+            raise FileNotFoundError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
+        weights = found[0]
+    elif path.is_file():
+        weights = path
+    else:
+        raise FileNotFoundError(f"EAGLE head {path} does not exist")
+    config = folder / "config.json"
+    return weights, json.loads(config.read_text()) if config.is_file() else None
+
+
+def _read_state(weights: Path) -> dict[str, torch.Tensor]:
+    if weights.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(weights))
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise HeadCheckpointError(f"{weights} does not hold a state dict")
+    return state

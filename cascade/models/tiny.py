@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from cascade.models.lm import CausalLM
+from cascade.models.vocabulary import ByteVocabulary
 from cascade.models.devices import resolve_device, resolve_dtype
 
 
@@ -96,8 +97,6 @@ def text_aligned_copy(base: CausalLM, tokenizer: PreTrainedTokenizerFast, noise:
     string in both keeps its embedding and LM-head rows, any other gets random ones; every weight
     then gets relative noise ``noise``. A drafter with another tokenizer that agrees with ``base``
     on the text they share, often but not always."""
-    from cascade.drafters.vocabulary import ByteVocabulary
-
     source, dest = ByteVocabulary.of_model(base), ByteVocabulary.of_tokenizer(tokenizer)
     rows = {source.key(i): i for i in range(source.size) if source.token_bytes[i]}
     config = LlamaConfig(**{**base.model.config.to_dict(), "vocab_size": len(tokenizer)})
