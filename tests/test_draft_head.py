@@ -205,3 +205,25 @@ def test_tree_levels_equal_each_path_drafted_alone(one_call, tiny_target, head):
         path = [tokens[j] for j in path_to(node, parents)] if node != -1 else []
         want = reference.score(context, path)[-1]
         torch.testing.assert_close(logits, want, atol=1e-9, rtol=0)
+
+
+def test_training_tuples_align_with_transformers_own_model(tiny_target):
+    """The (feature, next token, target feature, teacher) tuples chunk_loss trains on equal what
+    transformers' own forward gives at the same positions: its last hidden state (after the final
+    norm) and its logits; paired one position off they would not."""
+    from cascade.head_training import chunk_loss  # noqa: F401  (the consumer of these tuples)
+    from cascade.models.layers import decoder_parts
+
+    ids = torch.randint(0, tiny_target.vocab_size, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    feats = target_features(tiny_target, ids)  # [T, H] what capture_features stores
+    teacher = torch.softmax(feats[1:] @ decoder_parts(tiny_target).head.weight.T, -1)  # [T-1, V] chunk_loss's teacher
+    with torch.no_grad():
+        out = tiny_target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    hf_feats, hf_probs = out.hidden_states[-1][0], torch.softmax(out.logits[0], -1)  # [T, H], [T, V]
+    torch.testing.assert_close(feats, hf_feats, atol=1e-10, rtol=0)
+    # head position u: input (f_u, x_{u+1}); target feature f_{u+1}; teacher = the target's law of x_{u+2}
+    torch.testing.assert_close(teacher, hf_probs[1:], atol=1e-10, rtol=0)
+    assert (feats[1:] - hf_feats[:-1]).abs().max() > 1e-2  # the pairing is not shift-invariant
+    # the token fed beside f_u is the one the target read at u + 1
+    chunk = Chunk(torch.tensor(ids), feats)
+    assert chunk.tokens[1:].tolist() == ids[1:]

@@ -1,0 +1,171 @@
+"""Draft-head diagnostics: is a head that the target rarely accepts short of data, of optimiser
+steps, or defective?
+
+    python experiments/head_diagnostics.py alignment                     # training tuples vs transformers' own model
+    python experiments/head_diagnostics.py overfit --tokens 2000 --fusion normed --epochs 30
+    python experiments/head_diagnostics.py overfit --tokens 2000 --fusion concat --epochs 30
+    python experiments/head_diagnostics.py inputs --head PATH            # what the head reads: ablations, fc halves
+
+``alignment``: for real prompts, the (feature, next token, target feature, target distribution)
+tuples the training path builds (``head_training.target_features`` on the loaded backend, the
+teacher from the LM-head rows) against what a stock transformers copy of the target gives
+(``output_hidden_states``' last entry, after the final norm, and its logits) at the same
+positions: the largest feature difference, the teacher's agreement with transformers' argmax,
+and the same with the pairing shifted by one position (what an off-by-one would look like).
+
+``overfit``: a few thousand tokens of the training corpus, trained epoch after epoch on the same
+chunks until the training-set top-1 agreement at depth 1 reaches ``--until`` (or ``--epochs``
+run out); prints the training-set agreement at depths 1-4 after each epoch. A pipeline that
+cannot fit a tiny set has a defect; one that fits it and still generalises poorly is short of
+data or steps.
+
+``inputs``: held-out agreement of a trained head as it is, with the embedding half of ``fc``'s
+input zeroed and with the feature half zeroed, and the RMS of each half's contribution to
+``fc``'s output (does the head use the token it predicts after?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from cascade import load_model
+from cascade.head_training import Chunk, agreement, capture_features, chunk_loss, chunks_sha256, corpus_chunks, target_features
+from cascade.models.draft_head import DraftHead, HeadLayout
+from cascade.models.layers import decoder_parts, dense_weight
+from cascade.models.zoo import cache_root
+
+SOURCES = {"python_source": 0.35, "gsm8k_qa": 0.30, "humaneval_solutions": 0.15, "gpqa_rest": 0.15, "mtbench_rest": 0.05}
+
+
+class _Zero(nn.Module):
+    def forward(self, x):
+        return torch.zeros_like(x)
+
+
+def _chunks(lm, tokens: int, seq_len: int, seed: int, progress: bool = True) -> list[Chunk]:
+    token_chunks = corpus_chunks(lm, SOURCES, seq_len, tokens, seed)
+    folder = cache_root() / "head_features" / f"{lm.name.replace('/', '_')}-{chunks_sha256(token_chunks)[:16]}"
+    return capture_features(lm, token_chunks, SOURCES, seq_len, folder, progress)
+
+
+def _rows(lm, vocab):
+    w = dense_weight(decoder_parts(lm).head)
+    return (w if vocab is None else w[vocab]).float()
+
+
+def alignment(args) -> None:
+    from cascade.data import load_prompts
+
+    lm = load_model(args.target)
+    stock = load_model(args.target, dtype="float32")
+    rows = _rows(lm, None)
+    print(f"{args.target}: training capture on {lm.dtype} ({type(decoder_parts(lm).head).__name__}) against stock "
+          f"transformers fp32 (output_hidden_states[-1], logits)")
+    for p in load_prompts("humaneval_full", args.prompts):
+        ids = lm.encode(p.text)[: args.max_tokens]
+        feats = target_features(lm, ids).float()  # [T, H] what the training path stores
+        teacher = (feats[1:] @ rows.T).argmax(-1)  # the target's token after x_{u+1}: the distribution of x_{u+2}
+        with torch.no_grad():
+            out = stock.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        hf_feats, hf_next = out.hidden_states[-1][0].float(), out.logits[0].argmax(-1)  # [T, H], [T]
+        diff = float((feats - hf_feats).abs().max() / hf_feats.abs().max())
+        same = float((teacher == hf_next[1:]).float().mean())
+        shifted = float((teacher == hf_next[:-1]).float().mean())  # paired one position early
+        off = float((feats[1:] - hf_feats[:-1]).abs().max() / hf_feats.abs().max())
+        print(f"  {p.id}: {len(ids)} positions; features max |diff| / max |f| {diff:.2e} (shifted by one: {off:.2f}); "
+              f"teacher argmax = transformers' next-token argmax at {same:.4f} of positions (shifted by one: {shifted:.4f})")
+
+
+def overfit(args) -> None:
+    lm = load_model(args.target)
+    for p in lm.model.parameters():
+        p.requires_grad_(False)
+    chunks = _chunks(lm, args.tokens, args.seq_len, args.seed)
+    rows = _rows(lm, None).to(lm.device)
+    torch.manual_seed(args.seed)
+    head = DraftHead.from_target(lm, None, seed=args.seed, layout=HeadLayout(args.fusion))
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    n_tokens = sum(c.tokens.numel() for c in chunks)
+    print(f"{args.target}: overfit {len(chunks)} chunks ({n_tokens} tokens), fusion {args.fusion}, lr {args.lr}, "
+          f"unroll {args.unroll}, ce weight {args.ce_weight}, feature weight {args.feature_weight}", flush=True)
+    t0, step = time.perf_counter(), 0
+    for epoch in range(args.epochs):
+        head.train()
+        for c in chunks:
+            loss, _ = chunk_loss(head, lm, c, rows, args.unroll, args.feature_weight, args.ce_weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            opt.step()
+            step += 1
+        head.eval()
+        agree = agreement(head, lm, chunks, rows, None)
+        elapsed = time.perf_counter() - t0
+        print(f"epoch {epoch + 1} ({step} steps, {elapsed:.0f} s, {step * n_tokens / len(chunks) / elapsed:.0f} tokens/s): "
+              f"training-set top-1 agreement at depths 1-4 " + " ".join(f"{a:.3f}" for a in agree), flush=True)
+        if agree[0] >= args.until:
+            break
+    if args.save:
+        head.save(args.save, metrics={"overfit_tokens": n_tokens, "epochs": epoch + 1, "agreement_train": agree})
+
+
+def inputs(args) -> None:
+    lm = load_model(args.target)
+    head = DraftHead.open(args.head, lm)
+    vocab = head.vocab
+    chunks = _chunks(lm, args.tokens, args.seq_len, args.seed + 1)[-args.held:]  # a set the head never saw
+    rows = _rows(lm, vocab)
+    head.eval()
+    print(f"{args.head}: layout {head.layout}; {len(chunks)} chunks of held-out text")
+    print("  as trained:          " + " ".join(f"{a:.3f}" for a in agreement(head, lm, chunks, rows, vocab)))
+    for half in ("embed_norm", "feature_norm"):
+        keep = getattr(head, half)
+        setattr(head, half, _Zero())
+        print(f"  {half.split('_')[0]} half zeroed: " + " ".join(f"{a:.3f}" for a in agreement(head, lm, chunks, rows, vocab)))
+        setattr(head, half, keep)
+    hidden = head.hidden_size
+    w = head.fc.weight.detach().float()
+    with torch.no_grad():
+        f = torch.cat([c.features[:-1] for c in chunks]).float()
+        e = decoder_parts(lm).embed(torch.cat([c.tokens[1:] for c in chunks])).float()
+        f, e = head.feature_norm.float()(f), head.embed_norm.float()(e)
+        from_f, from_e = f @ w[:, :hidden].T, e @ w[:, hidden:].T
+    rms = lambda x: float(x.pow(2).mean().sqrt())  # noqa: E731
+    print(f"  fc's output RMS from the feature half {rms(from_f):.4f}, from the embedding half {rms(from_e):.4f} "
+          f"(inputs' RMS: feature {rms(f):.3f}, embedding {rms(e):.4f})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["alignment", "overfit", "inputs"])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--prompts", type=int, default=3, help="alignment: HumanEval texts (prompt + solution)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=2000, help="overfit: corpus tokens; inputs: tokens to draw held-out chunks from")
+    ap.add_argument("--held", type=int, default=4, help="inputs: held-out chunks")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--fusion", default="normed", choices=["normed", "concat"])
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--until", type=float, default=0.9)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--unroll", type=int, default=3)
+    ap.add_argument("--ce-weight", type=float, default=1.0)
+    ap.add_argument("--feature-weight", type=float, default=1.0)
+    ap.add_argument("--head", type=Path)
+    ap.add_argument("--save", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    {"alignment": alignment, "overfit": overfit, "inputs": inputs}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
