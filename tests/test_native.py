@@ -385,3 +385,55 @@ def test_disabled_extension_falls_back_to_fbgemm():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fallback" in proc.stdout
     assert "native kernels are unavailable (disabled by CASCADE_NATIVE=0)" in proc.stderr
+
+
+def _native_copy(lm, name):
+    """``lm`` in fp32 with fp16-exact weights on the native backend (a copy; ``lm`` is untouched)."""
+    import copy
+
+    from cascade.models import CausalLM
+    from cascade.models.lean import attach_lean
+
+    model = copy.deepcopy(lm.model).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    native = CausalLM(model, None, name)
+    swap_linears(native.model, NativeFP16Linear)
+    attach_lean(native)
+    return native
+
+
+@pytest.mark.parametrize("method,setting", [("chain", "temperature"), ("static_tree", "top_p")])
+def test_sampled_speculation_on_the_backend_is_lossless(method, setting):
+    """Deep drafts sampled through the native kernels (fp32): the law of 6 tokens against the
+    exact law of a stock fp32 copy of the same fp16-exact weights (the deep suite's reference,
+    tests/deep_stats.py), with accepts and rejections at every depth."""
+    from deep_stats import LEVEL, exact_law, lossless_pvalue, sample_outputs
+    from test_lossless_deep import L, PROMPT, SETTINGS, damped
+
+    from cascade.drafters import SmallLMDrafter
+    from cascade.models import perturbed_copy
+    from cascade.tree_drafter import TreeDrafter
+    from cascade.trees import StaticTreePolicy
+
+    base = damped()
+    stock = base.model.float()
+    with torch.no_grad():
+        for p in stock.parameters():
+            p.copy_(p.half().float())
+    target = _native_copy(base, "damped native")
+    close = _native_copy(perturbed_copy(base, 0.35, seed=3), "close native")
+    assert target.lean is not None and target.model.config._attn_implementation == "cascade_native"
+    make = {"chain": lambda: SmallLMDrafter(close, k=5),
+            "static_tree": lambda: TreeDrafter([SmallLMDrafter(close)], StaticTreePolicy((2, 2, 1, 1)))}[method]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        samples = sample_outputs(target, make, PROMPT, L, 1000, 0, SETTINGS[setting])
+    finally:
+        torch.set_num_threads(threads)
+    p = lossless_pvalue(samples, exact_law(stock, PROMPT, L, **SETTINGS[setting]))
+    report = f"{method}/{setting} on native: p={p:.2g}; {samples.depth_report()}"
+    assert samples.exercised(4, 20), report
+    assert p > LEVEL, report
