@@ -19,9 +19,10 @@ run out); prints the training-set agreement at depths 1-4 after each epoch. A pi
 cannot fit a tiny set has a defect; one that fits it and still generalises poorly is short of
 data or steps.
 
-``inputs``: held-out agreement of a trained head as it is, with the embedding half of ``fc``'s
-input zeroed and with the feature half zeroed, and the RMS of each half's contribution to
-``fc``'s output (does the head use the token it predicts after?).
+``inputs``: a trained head's agreement on given chunks (``--tokens`` / ``--seed`` pick them as
+``overfit`` does; ``--held`` the last few) as it is, with the embedding half of ``fc``'s input
+zeroed and with the feature half zeroed, and the RMS of each half's contribution to ``fc``'s
+output (does the head use the token it predicts after?).
 """
 
 from __future__ import annotations
@@ -82,17 +83,37 @@ def alignment(args) -> None:
               f"teacher argmax = transformers' next-token argmax at {same:.4f} of positions (shifted by one: {shifted:.4f})")
 
 
+def _overfit_vocab(lm, chunks: list[Chunk], size: int) -> torch.Tensor:
+    """The ids a head fitting ``chunks`` needs (every token there and every target argmax after
+    them, so the training-set agreement can reach 1), topped up to ``size`` with the ids most
+    frequent in the chunks: the FR-Spec restriction training uses, at a size that trains fast."""
+    from cascade.models.pruned_head import rank_by_frequency
+
+    head = decoder_parts(lm).head
+    needed = set()
+    for c in chunks:
+        needed.update(c.tokens.tolist())
+        needed.update(head(c.features.to(lm.device, lm.dtype)).argmax(-1).tolist())
+    for i in rank_by_frequency([c.tokens for c in chunks], lm.vocab_size).tolist():
+        if len(needed) >= size:
+            break
+        needed.add(i)
+    return torch.tensor(sorted(needed))
+
+
 def overfit(args) -> None:
     lm = load_model(args.target)
     for p in lm.model.parameters():
         p.requires_grad_(False)
     chunks = _chunks(lm, args.tokens, args.seq_len, args.seed)
-    rows = _rows(lm, None).to(lm.device)
+    vocab = _overfit_vocab(lm, chunks, args.vocab)
+    rows = _rows(lm, vocab).to(lm.device)
     torch.manual_seed(args.seed)
-    head = DraftHead.from_target(lm, None, seed=args.seed, layout=HeadLayout(args.fusion))
+    head = DraftHead.from_target(lm, vocab, seed=args.seed, layout=HeadLayout(args.fusion))
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     n_tokens = sum(c.tokens.numel() for c in chunks)
-    print(f"{args.target}: overfit {len(chunks)} chunks ({n_tokens} tokens), fusion {args.fusion}, lr {args.lr}, "
+    print(f"{args.target}: overfit {len(chunks)} chunks ({n_tokens} tokens), head vocabulary {vocab.numel()} ids (every "
+          f"token of the chunks and every target argmax there, then the most frequent), fusion {args.fusion}, lr {args.lr}, "
           f"unroll {args.unroll}, ce weight {args.ce_weight}, feature weight {args.feature_weight}", flush=True)
     t0, step = time.perf_counter(), 0
     for epoch in range(args.epochs):
@@ -105,7 +126,7 @@ def overfit(args) -> None:
             opt.step()
             step += 1
         head.eval()
-        agree = agreement(head, lm, chunks, rows, None)
+        agree = agreement(head, lm, chunks, rows, vocab)
         elapsed = time.perf_counter() - t0
         print(f"epoch {epoch + 1} ({step} steps, {elapsed:.0f} s, {step * n_tokens / len(chunks) / elapsed:.0f} tokens/s): "
               f"training-set top-1 agreement at depths 1-4 " + " ".join(f"{a:.3f}" for a in agree), flush=True)
@@ -119,10 +140,11 @@ def inputs(args) -> None:
     lm = load_model(args.target)
     head = DraftHead.open(args.head, lm)
     vocab = head.vocab
-    chunks = _chunks(lm, args.tokens, args.seq_len, args.seed + 1)[-args.held:]  # a set the head never saw
+    chunks = _chunks(lm, args.tokens, args.seq_len, args.seed)[-args.held:]
     rows = _rows(lm, vocab)
     head.eval()
-    print(f"{args.head}: layout {head.layout}; {len(chunks)} chunks of held-out text")
+    print(f"{args.head}: layout {head.layout}; the last {len(chunks)} chunks of the {args.tokens}-token corpus (seed "
+          f"{args.seed}: an overfit head's own training chunks with its --tokens / --seed)")
     print("  as trained:          " + " ".join(f"{a:.3f}" for a in agreement(head, lm, chunks, rows, vocab)))
     for half in ("embed_norm", "feature_norm"):
         keep = getattr(head, half)
@@ -148,7 +170,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3, help="alignment: HumanEval texts (prompt + solution)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=2000, help="overfit: corpus tokens; inputs: tokens to draw held-out chunks from")
-    ap.add_argument("--held", type=int, default=4, help="inputs: held-out chunks")
+    ap.add_argument("--held", type=int, default=4, help="inputs: how many of the last chunks to evaluate on")
+    ap.add_argument("--vocab", type=int, default=4096, help="overfit: head vocabulary size")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--fusion", default="normed", choices=["normed", "concat"])
     ap.add_argument("--epochs", type=int, default=30)

@@ -12,13 +12,13 @@ from transformers import PreTrainedTokenizerFast
 from broken_doubles import UnrenormalisedIntersectionDrafter
 from cascade import generate
 from cascade.cascades import HorizontalCascade, VerticalCascade
-from cascade.drafters import ConfidenceStop, NGramDrafter, SmallLMDrafter, TokenRecyclingDrafter
+from cascade.drafters import ConfidenceStop, NGramDrafter, SmallLMDrafter, ThompsonStop, TokenRecyclingDrafter
 from cascade.drafters.cross_tokenizer import CrossTokenizerDrafter
 from cascade.models.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
 from cascade.models import CausalLM, perturbed_copy, tiny_llama
 from cascade.models.tiny import text_aligned_copy, tiny_bpe_tokenizer
 from cascade.tree_drafter import TreeDrafter
-from cascade.trees import DynamicTreePolicy, StaticTreePolicy
+from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from deep_stats import LEVEL, exact_law, lossless_pvalue, sample_outputs
 
 # ---- the bridge ---------------------------------------------------------------------------------
@@ -127,12 +127,14 @@ def _roles(fewer, more, same):
         "chain_string_more_merges": lambda: CrossTokenizerDrafter(more, k=5, rule="string"),
         "chain_intersection": lambda: CrossTokenizerDrafter(fewer, k=4, rule="intersection"),
         "chain_confidence_stop": lambda: CrossTokenizerDrafter(more, k=6, stop=ConfidenceStop(0.3)),
+        "chain_thompson_stop": lambda: CrossTokenizerDrafter(fewer, k=6, stop=ThompsonStop(0.3)),
         "cascade_lower": lambda: VerticalCascade([SmallLMDrafter(same, k=6), CrossTokenizerDrafter(fewer, k=3)]),
         "cascade_top": lambda: VerticalCascade([CrossTokenizerDrafter(more, k=6), NGramDrafter(k=3)]),
         "cascade_three_levels": lambda: VerticalCascade([SmallLMDrafter(same, k=6), CrossTokenizerDrafter(more, k=4),
                                                           NGramDrafter(k=2)]),
         "horizontal": lambda: HorizontalCascade([(CrossTokenizerDrafter(fewer, k=3), 3), (NGramDrafter(k=2), 2)]),
         "static_tree": lambda: TreeDrafter([CrossTokenizerDrafter(more)], StaticTreePolicy((2, 2, 1, 1))),
+        "reranked_tree": lambda: TreeDrafter([CrossTokenizerDrafter(fewer)], RerankedTreePolicy(top_k=2, depth=4, max_nodes=10)),
         "dytc": lambda: TreeDrafter([SmallLMDrafter(same), CrossTokenizerDrafter(fewer), NGramDrafter(k=1),
                                      TokenRecyclingDrafter(r=2, k=1)], DynamicTreePolicy(**dytc)),
     }
