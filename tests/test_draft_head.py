@@ -211,7 +211,6 @@ def test_training_tuples_align_with_transformers_own_model(tiny_target):
     """The (feature, next token, target feature, teacher) tuples chunk_loss trains on equal what
     transformers' own forward gives at the same positions: its last hidden state (after the final
     norm) and its logits; paired one position off they would not."""
-    from cascade.head_training import chunk_loss  # noqa: F401  (the consumer of these tuples)
     from cascade.models.layers import decoder_parts
 
     ids = torch.randint(0, tiny_target.vocab_size, (40,), generator=torch.Generator().manual_seed(9)).tolist()
