@@ -166,6 +166,7 @@ class VocabularyBridge:
         self.drafter_ids = torch.tensor([d for _, d in pairs], dtype=torch.long)  # [S]
         self.drafter_of_target = dict(pairs)  # shared target id -> drafter id
         self._filler = next(iter(drafter.byte_ids.values()), 0)  # the piece of a target id without bytes
+        self._last_context: tuple[list[int], list[int]] | None = None  # (target ids, their drafter tokens)
 
     @property
     def shared(self) -> int:
@@ -185,8 +186,12 @@ class VocabularyBridge:
         return probs[..., self.drafter_ids.to(probs.device)].sum(-1)
 
     def drafter_context(self, target_ids: list[int]) -> list[int]:
-        """The drafter's tokens for the text of ``target_ids`` (re-tokenized as a whole)."""
-        return self.drafter.encode(self.target.bytes_of(target_ids))
+        """The drafter's tokens for the text of ``target_ids`` (re-tokenized as a whole; the last
+        context's result is kept, since a cascade's top level syncs and then scores the same
+        context). The returned list is shared: callers must not modify it."""
+        if self._last_context is None or self._last_context[0] != target_ids:
+            self._last_context = (list(target_ids), self.drafter.encode(self.target.bytes_of(target_ids)))
+        return self._last_context[1]
 
     def drafter_piece(self, target_id: int) -> list[int]:
         """The drafter's tokens for one target token appended to a draft: the shared token, or
