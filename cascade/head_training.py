@@ -114,10 +114,12 @@ def target_features(lm: CausalLM, tokens: list[int]) -> torch.Tensor:
 
 
 def capture_features(lm: CausalLM, chunks: list[list[int]], sources: dict[str, float], seq_len: int, out_dir: Path,
-                     progress: bool = True) -> list[Chunk]:
+                     progress: bool = True, storage: torch.dtype = torch.float32) -> list[Chunk]:
     """Features of every chunk, cached in ``out_dir`` (one file per chunk, written atomically; a
     rerun computes only the missing ones). Refuses a directory whose manifest names other chunks
-    or another target."""
+    or another target. ``storage``: the dtype features are written and held in (float16 halves
+    disk and memory; a file written in another dtype is rounded to it on load, which equals what
+    a fresh capture in ``storage`` writes, so a cache made in float32 serves every storage)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = FeatureManifest(FEATURES_FORMAT, lm.name, dict(sources), seq_len, len(chunks),
                                sum(map(len, chunks)), chunks_sha256(chunks))
@@ -133,11 +135,11 @@ def capture_features(lm: CausalLM, chunks: list[list[int]], sources: dict[str, f
         f = out_dir / f"chunk_{i:05d}.pt"
         saved = torch.load(f, weights_only=True) if f.is_file() else None
         if saved is None or saved["tokens"].tolist() != ids:
-            saved = {"tokens": torch.tensor(ids), "features": target_features(lm, ids).cpu()}
+            saved = {"tokens": torch.tensor(ids), "features": target_features(lm, ids).cpu().to(storage)}
             tmp = f.with_name(f.name + f".tmp{os.getpid()}")
             torch.save(saved, tmp)
             os.replace(tmp, f)
-        out.append(Chunk(saved["tokens"], saved["features"]))
+        out.append(Chunk(saved["tokens"], saved["features"].to(storage)))
         bar.update(len(ids))
     bar.close()
     return out
@@ -181,16 +183,17 @@ def chunk_loss(head: DraftHead, lm: CausalLM, chunk: Chunk, head_rows: torch.Ten
     smooth-L1 per step) and each step's top-1 agreement with the teacher on the head's
     vocabulary. ``head_rows``: [|S|, H] the target's LM-head rows of the head's vocabulary."""
     feats = chunk.features.to(head_rows.device, head_rows.dtype)
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(feats.device.type, enabled=False):  # the teacher in full precision
         teacher = torch.softmax(feats[1:] @ head_rows.T, -1)  # [n, |S|] the target's distribution over S
     total, hits = torch.zeros((), device=feats.device), []
     for s, out in enumerate(unroll(head, lm, chunk, steps), start=1):
         valid = slice(s - 1, None)  # a draft s deep needs a root at u - s + 1 >= 0
         if out[valid].shape[0] == 0:  # a chunk too short for this depth
             break
-        student = torch.log_softmax(out[valid] @ head_rows.T, -1)  # [n', |S|]
+        # under bf16 autocast the matmul runs in bf16; the softmax and the losses in fp32
+        student = torch.log_softmax((out[valid] @ head_rows.T).float(), -1)  # [n', |S|]
         ce = -(teacher[valid] * student).sum(-1).mean()
-        reg = torch.nn.functional.smooth_l1_loss(out[valid], feats[1:][valid])
+        reg = torch.nn.functional.smooth_l1_loss(out[valid].float(), feats[1:][valid])
         total = total + ce_weight * ce + feature_weight * reg
         hits.append(float((student.argmax(-1) == teacher[valid].argmax(-1)).float().mean()))
     return total, hits

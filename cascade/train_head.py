@@ -30,6 +30,7 @@ from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.models.draft_head import DraftHead, HeadLayout
 from cascade.models.layers import decoder_parts, dense_weight
+from cascade.models.loading import cpu_has_native_bf16
 from cascade.models.pruned_head import rank_by_frequency
 from cascade.models.zoo import cache_root
 from cascade.run import ConfigError, _output_dir
@@ -50,6 +51,25 @@ def _check(t) -> None:
         raise ConfigError(f"train.batch_chunks must be >= 1, got {t.batch_chunks}")
     if t.fusion not in ("concat", "normed"):
         raise ConfigError(f"train.fusion must be concat or normed, got {t.fusion!r}")
+    if t.precision not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
+    if t.feature_storage not in FEATURE_STORAGE:
+        raise ConfigError(f"train.feature_storage must be one of {sorted(FEATURE_STORAGE)}, got {t.feature_storage!r}")
+
+
+FEATURE_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def training_autocast(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of the head's training steps: ``bf16`` -> bfloat16; ``auto`` ->
+    bfloat16 where the device multiplies bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX,
+    where a bf16 matmul runs 2-3x fp32's rate), else None (fp32). Parameters, gradients and the
+    optimiser's state stay fp32 either way; the loss's softmaxes run in fp32 (``chunk_loss``)."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16" or device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+        return torch.bfloat16
+    return None
 
 
 def _lr(step: int, total: int, base: float, warmup: int) -> float:
@@ -93,8 +113,13 @@ def _train_epochs(head: DraftHead, lm, train_chunks: list, held: list, head_rows
     bar = tqdm(total=total_steps, desc="train head", disable=not cfg.progress)
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)
+    device = head.fc.weight.device
+    autocast = training_autocast(t.precision, device)
+    log.info("training steps in %s", "fp32" if autocast is None else f"{autocast} autocast")
+    train_s = 0.0  # seconds in optimiser steps (the held-out evaluations excluded)
     for epoch in range(t.epochs):
         head.train()
+        epoch_t0 = time.perf_counter()
         loss_sum, train_hits = 0.0, []
         order = torch.randperm(len(train_chunks), generator=gen).tolist()
         for first in range(0, len(order), t.batch_chunks):  # one optimiser step per batch of chunks
@@ -103,7 +128,8 @@ def _train_epochs(head: DraftHead, lm, train_chunks: list, held: list, head_rows
                 group["lr"] = _lr(step, total_steps, t.lr, warmup)
             opt.zero_grad()
             for i in batch:
-                loss, hits = chunk_loss(head, lm, train_chunks[i], head_rows, t.unroll, t.feature_weight, t.ce_weight)
+                with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                    loss, hits = chunk_loss(head, lm, train_chunks[i], head_rows, t.unroll, t.feature_weight, t.ce_weight)
                 (loss / len(batch)).backward()
                 loss_sum += loss.item()
                 train_hits.append(hits[0])
@@ -112,12 +138,15 @@ def _train_epochs(head: DraftHead, lm, train_chunks: list, held: list, head_rows
             step += 1
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", top1=f"{hits[0]:.2f}")
-        head.eval()
+        train_s += time.perf_counter() - epoch_t0
+        head.eval()  # held-out agreement in the head's own precision, as decoding runs it
         agree = agreement(head, lm, held, head_rows, vocab)
         history.append({"epoch": epoch, "steps": step, "loss": loss_sum / len(train_chunks), "agreement": agree,
                         "train_top1": sum(train_hits) / len(train_hits),  # depth 1, on the chunks as trained
-                        "elapsed_s": time.perf_counter() - t0})
-        print(f"epoch {epoch} ({step} steps): loss {history[-1]['loss']:.3f}, training-set top-1 (depth 1) "
+                        "elapsed_s": time.perf_counter() - t0,
+                        "train_tokens_per_s": sum(c.tokens.numel() for c in train_chunks) * (epoch + 1) / train_s})
+        print(f"epoch {epoch} ({step} steps, {history[-1]['train_tokens_per_s']:.0f} training tokens/s): "
+              f"loss {history[-1]['loss']:.3f}, training-set top-1 (depth 1) "
               f"{history[-1]['train_top1']:.3f}, held-out top-1 agreement at depths 1-4: "
               + " ".join(f"{a:.3f}" for a in agree), flush=True)
         head.save(ckpt, metrics={"epochs_done": epoch + 1, "history": history})  # nothing lost on interruption
@@ -144,7 +173,8 @@ def train(cfg: DictConfig) -> dict:
         raise ConfigError(f"only {len(token_chunks)} chunk(s) of text: raise train.max_tokens")
     features_dir = Path(t.features_dir or cache_root() / "head_features").expanduser()
     features_dir = features_dir / f"{lm.name.replace('/', '_')}-{chunks_sha256(token_chunks)[:16]}"
-    chunks = capture_features(lm, token_chunks, sources, t.seq_len, features_dir, cfg.progress)
+    chunks = capture_features(lm, token_chunks, sources, t.seq_len, features_dir, cfg.progress,
+                              FEATURE_STORAGE[t.feature_storage])
     feature_s = time.perf_counter() - t0
     n_held = max(1, round(len(chunks) * t.heldout_frac))
     train_chunks, held = chunks[:-n_held], chunks[-n_held:]
@@ -167,6 +197,8 @@ def train(cfg: DictConfig) -> dict:
         "train_tokens": sum(c.tokens.numel() for c in train_chunks), "heldout_tokens": sum(c.tokens.numel() for c in held),
         "vocab": None if vocab is None else int(vocab.numel()), "unroll": t.unroll, "epochs": t.epochs,
         "fusion": t.fusion, "batch_chunks": t.batch_chunks, "steps": history[-1]["steps"],
+        "precision": "fp32" if training_autocast(t.precision, lm.device) is None else "bf16",
+        "feature_storage": t.feature_storage,
         "agreement_init": agree_init, "agreement": history[-1]["agreement"], "history": history,
         "feature_time_s": feature_s, "train_time_s": time.perf_counter() - t1,
     }

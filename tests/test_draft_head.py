@@ -140,15 +140,19 @@ def test_unrolled_step_equals_drafting(tiny_target, head):
     torch.testing.assert_close(outs[s - 1][u], f, atol=1e-5, rtol=1e-5)
 
 
-def test_train_then_run_loads_the_written_weights(tmp_path, tiny_target):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_then_run_loads_the_written_weights(tmp_path, tiny_target, precision):
     from cascade.train_head import train
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("train_head", overrides=["debug=tiny", "progress=false", f"output_dir={tmp_path / 'out'}",
                                                f"train.save_to={tmp_path / 'head.pt'}", "train.max_tokens=1200",
-                                               f"train.features_dir={tmp_path / 'features'}"])
+                                               f"train.features_dir={tmp_path / 'features'}",
+                                               f"train.precision={precision}"])
     summary = train(cfg)
     assert len(summary["metrics"]["agreement"]) == 4 and summary["metrics"]["train_tokens"] > 0
+    assert summary["metrics"]["precision"] == precision and summary["metrics"]["feature_storage"] == "float16"
+    assert summary["metrics"]["history"][-1]["train_tokens_per_s"] > 0
     written = torch.load(tmp_path / "head.pt", weights_only=True)
     from cascade.models import load_model
 
@@ -226,3 +230,47 @@ def test_training_tuples_align_with_transformers_own_model(tiny_target):
     # the token fed beside f_u is the one the target read at u + 1
     chunk = Chunk(torch.tensor(ids), feats)
     assert chunk.tokens[1:].tolist() == ids[1:]
+
+
+def test_features_stored_in_16_bits_round_on_load(tmp_path, tiny_target):
+    """A cache written in float32 serves a float16 run with exactly what a fresh float16 capture
+    writes (the same rounding), and a float16 capture writes half-size files."""
+    from cascade.head_training import capture_features
+
+    chunks = [list(range(5, 25)), list(range(31, 19, -1))]
+    wide = capture_features(tiny_target, chunks, {"x": 1.0}, 32, tmp_path / "a", progress=False)
+    assert all(c.features.dtype == torch.float32 for c in wide)
+    reread = capture_features(tiny_target, chunks, {"x": 1.0}, 32, tmp_path / "a", progress=False, storage=torch.float16)
+    fresh = capture_features(tiny_target, chunks, {"x": 1.0}, 32, tmp_path / "b", progress=False, storage=torch.float16)
+    for w, r, f in zip(wide, reread, fresh):
+        assert r.features.dtype == f.features.dtype == torch.float16
+        assert torch.equal(r.features, f.features) and torch.equal(r.features, w.features.half())
+    saved = torch.load(tmp_path / "b" / "chunk_00000.pt", weights_only=True)["features"]
+    assert saved.dtype == torch.float16
+
+
+def test_bf16_training_steps_run_in_bf16_with_fp32_losses():
+    """Under the bf16 autocast that train.precision=bf16 turns on, the head's matmuls run in bf16
+    while the loss (softmaxes, regression) and the parameters' gradients stay fp32."""
+    from cascade.head_training import chunk_loss
+    from cascade.models.layers import decoder_parts
+    from cascade.train_head import training_autocast
+
+    assert training_autocast("fp32", torch.device("cpu")) is None
+    assert training_autocast("bf16", torch.device("cpu")) is torch.bfloat16
+    target = tiny_llama(seed=0, dtype="float32")
+    head = DraftHead.from_target(target, None, seed=0)
+    ids = list(range(3, 40))
+    chunk = Chunk(torch.tensor(ids), target_features(target, ids))
+    rows = decoder_parts(target).head.weight.detach()
+    seen = []
+    hook = head.fc.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, hits = chunk_loss(head, target, chunk, rows, 2, 1.0)
+    hook.remove()
+    assert seen == [torch.bfloat16] * 2 and loss.dtype == torch.float32 and len(hits) == 2
+    loss.backward()
+    grads = [p.grad for p in head.parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    fp32_loss, _ = chunk_loss(head, target, chunk, rows, 2, 1.0)
+    assert abs(float(loss) - float(fp32_loss)) < 0.05 * float(fp32_loss)  # bf16 rounding, not another loss
