@@ -54,13 +54,36 @@ CASES = [
     ("exact", "chain_small_lm/top_k"),
     ("exact", "chain_small_lm/top_p"),
     *[(d, "/".join(ms)) for d, ms in deep.WARPED_AND_TREE_DOUBLES.items()],
+    # cross-tokenizer drafting (tests/test_cross_tokenizer.py's char-BPE pair, its N and law)
+    ("exact", "cross/chain_intersection"),
+    ("unrenormalised_intersection", "cross/chain_intersection"),
 ]
+_cross_pair = None
+
+
+def _cross_pvalue(double: str, method: str, seed: int) -> float:
+    """A cross-tokenizer cell at test_cross_tokenizer's sample size: the exact drafter or the
+    unrenormalised-intersection double, under temperature 1."""
+    global _cross_pair
+    import test_cross_tokenizer as cross
+    from broken_doubles import UnrenormalisedIntersectionDrafter
+
+    if _cross_pair is None:
+        _cross_pair = cross.build_char_pair()
+    target, drafter_lm, close = _cross_pair
+    name = method.split("/", 1)[1]
+    make = (lambda: UnrenormalisedIntersectionDrafter(drafter_lm, k=5)) if double != "exact" \
+        else cross._deep_methods(drafter_lm, close)[name][0]
+    _, p = cross._pvalue(target, make, "temperature", seed=1000 + seed)
+    return p
 _models = None
 
 
 def _pvalue(job: tuple[str, str, int, int]) -> tuple[str, str, int, float]:
     global _models
     double, method, seed, n = job
+    if method.startswith("cross/"):
+        return double, method, seed, _cross_pvalue(double, method, seed)
     if _models is None:
         target = deep.damped()
         _models = (target, deep.perturbed_copy(target, 0.35, seed=3), deep.perturbed_copy(target, 0.6, seed=4))

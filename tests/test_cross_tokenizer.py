@@ -195,8 +195,10 @@ def _char_bpe(vocab, merges):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(token_models.BPE(vocab=vocab, merges=merges)))
 
 
-@pytest.fixture(scope="module")
-def char_pair():
+def build_char_pair():
+    """(target, cross-tokenizer drafter model, same-vocabulary close drafter) of the deep cells:
+    the damped V=5 target under a char BPE tokenizer, the drafter's tokenizer lacking one target
+    token and adding one of its own."""
     from test_lossless_deep import damped
 
     base = damped()
@@ -205,6 +207,11 @@ def char_pair():
                                    noise=0.2, seed=3, name="damped-as-abcc")
     close = CausalLM(perturbed_copy(base, 0.35, seed=3).model, target.tokenizer, "damped-close")  # same vocabulary
     return target, drafter_lm, close
+
+
+@pytest.fixture(scope="module")
+def char_pair():
+    return build_char_pair()
 
 
 def _pvalue(target, make, setting, seed=0):

@@ -42,9 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cascade.drafters.lm_base import LMDrafter
-from cascade.drafters.small_lm import common_prefix_len
-from cascade.drafters.stopping import FixedK, StopPolicy
+from cascade.drafters.lm_base import LMDrafter, crop_to_prefix
+from cascade.drafters.stopping import StopPolicy
 from cascade.models.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
 from cascade.models.lm import CausalLM
 from cascade.tree import level_inputs
@@ -121,10 +120,8 @@ class CrossTokenizerDrafter(LMDrafter):
     def _sync_to(self, tokens: list[int]) -> int:
         """Crop the cache to its longest common prefix with drafter ``tokens`` (at most all but
         the last); returns that length."""
-        keep = min(common_prefix_len(self.cached, tokens), len(tokens) - 1)
-        self.model.crop(self.cache, keep)
-        self.cached = self.cached[:keep]
-        return keep
+        self.cached = crop_to_prefix(self.model, self.cache, self.cached, tokens)
+        return len(self.cached)
 
     def sync(self, context: list[int]) -> int:
         return self._sync_to(self._bridge().drafter_context(context))
@@ -154,6 +151,11 @@ class CrossTokenizerDrafter(LMDrafter):
         self.cached = self.cached + piece
         return self._in_target_vocabulary(self.model.forward(piece, self.cache)[-1:])[0]  # [Vt]
 
+    def _continue_drafter(self, token: int) -> torch.Tensor:
+        """The drafter's own logits [Vd] after appending its own ``token`` (string match)."""
+        self.cached = self.cached + [token]
+        return self.model.forward([token], self.cache)[-1]
+
     def _in_target_vocabulary(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, Vd] drafter logits -> [n, Vt] (the intersection); while a chain is drafted, the
         drafter's mass on the intersection at the last row is counted (what the rule gives up)."""
@@ -181,16 +183,7 @@ class CrossTokenizerDrafter(LMDrafter):
         bridge = self._bridge()
         n = min(budget, self.k)
         self.stop.start_draft()
-        logits = self._drafter_rows(context, [])[-1]  # [Vd]
-        drafted: list[int] = []
-        for i in range(n):
-            drafted.append(int(logits.argmax()))
-            if i == n - 1:
-                break
-            if not isinstance(self.stop, FixedK) and not self.stop.should_continue(i, torch.softmax(logits.float(), -1)):
-                break
-            self.cached = self.cached + [drafted[-1]]
-            logits = self.model.forward([drafted[-1]], self.cache)[-1]
+        drafted, _ = self._draft_chain(self._drafter_rows(context, [])[-1], n, True, self._continue_drafter)
         text = self.vocabulary.bytes_of(drafted)
         tokens = bridge.target_continuation(context, complete_utf8_prefix(text))[:budget]
         self.counts.drafts += 1

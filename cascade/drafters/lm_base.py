@@ -35,6 +35,7 @@ drafter's own cache to the accepted path with the compaction the target uses
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,23 @@ from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs, sample
 from cascade.tree import level_inputs
 from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, VerifyResult
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def crop_to_prefix(model: CausalLM, cache, cached: list[int], tokens: list[int]) -> list[int]:
+    """Crop ``cache`` (which holds ``cached``) to its longest common prefix with ``tokens``, at
+    most all of ``tokens`` but the last (so the next forward has an input); returns what it then
+    holds. A drafter with its own cache calls this before every draft."""
+    keep = min(common_prefix_len(cached, tokens), len(tokens) - 1)
+    model.crop(cache, keep)
+    return cached[:keep]
 
 
 def check_same_vocabulary(drafter_lm: CausalLM, target: CausalLM) -> None:
@@ -185,11 +203,12 @@ class LMDrafter(Drafter):
         cache) drafts."""
         return 0
 
-    def propose(self, context: list[int], budget: int) -> DraftBlock:
-        n = min(budget, self.k)
-        deterministic = self.sampling.greedy or not self.sample
-        self.stop.start_draft()
-        logits = self._start_draft(context)  # [V]
+    def _draft_chain(self, logits: torch.Tensor, n: int, deterministic: bool,
+                     step: Callable[[int], torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+        """Up to ``n`` tokens from first-step ``logits`` [V]: argmax (``deterministic``) or sampled
+        from the processed distribution, asking the stop policy after each (the caller started
+        it); ``step(token)`` returns the next logits. Returns the tokens and, when sampled, each
+        one's q [V]."""
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(n):
@@ -205,7 +224,14 @@ class LMDrafter(Drafter):
             if not isinstance(self.stop, FixedK):
                 if not self.stop.should_continue(i, torch.softmax(logits.float(), -1)):
                     break
-            logits = self._continue(token)
+            logits = step(token)
+        return tokens, qs
+
+    def propose(self, context: list[int], budget: int) -> DraftBlock:
+        n = min(budget, self.k)
+        deterministic = self.sampling.greedy or not self.sample
+        self.stop.start_draft()
+        tokens, qs = self._draft_chain(self._start_draft(context), n, deterministic, self._continue)
         self._end_draft()
         q = torch.stack(qs) if qs else None  # [k, V]
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name, stop=list(self.stop.decisions))

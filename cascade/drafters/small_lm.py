@@ -10,20 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from cascade.drafters.lm_base import LMDrafter, check_same_vocabulary
+from cascade.drafters.lm_base import LMDrafter, crop_to_prefix
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.lm import CausalLM
 from cascade.types import SamplingConfig
 
-__all__ = ["SmallLMDrafter", "check_same_vocabulary", "common_prefix_len"]
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+__all__ = ["SmallLMDrafter"]
 
 
 class SmallLMDrafter(LMDrafter):
@@ -55,10 +47,8 @@ class SmallLMDrafter(LMDrafter):
         """Crop the cache to its longest common prefix with ``context`` (at most all but its last
         token), so that it holds a prefix of ``context``; returns that length. A lower cascade
         level sharing this cache (a layer skip of this model) relies on it."""
-        keep = min(common_prefix_len(self.cached, context), len(context) - 1)
-        self.model.crop(self.cache, keep)
-        self.cached = self.cached[:keep]
-        return keep
+        self.cached = crop_to_prefix(self.model, self.cache, self.cached, context)
+        return len(self.cached)
 
     def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
         """This model's logits after ``context`` and after each token of ``extra``, in one
