@@ -28,7 +28,7 @@ import torch
 
 from cascade.drafters.base import Drafter, shared_hidden_layer
 from cascade.drafters.lm_base import LMDrafter
-from cascade.models.lm import CausalLM
+from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.sampling import logits_to_probs
 from cascade.types import CascadeStats, DraftBlock, DrafterInfo, LevelStats, SamplingConfig, Scored, Segment, VerifyResult
 from cascade.verify import EXACT, Verifier, verifier_named
@@ -65,7 +65,7 @@ class VerticalCascade(Drafter):
         self.name = name or " <- ".join([self.top.name, self.lower.name])
 
     @property
-    def hidden_layer(self) -> int | None:
+    def hidden_layer(self) -> HiddenLayers:
         return self.top.hidden_layer
 
     def describe(self) -> DrafterInfo:
@@ -165,7 +165,11 @@ class HorizontalCascade(Drafter):
         self.schedule = entries
         self.k = sum(n for _, n in entries)
         self.name = name or " | ".join(f"{d.name}x{n}" for d, n in entries)
-        self.hidden_layer = shared_hidden_layer([d for d, _ in entries], "schedule entries")
+        shared_hidden_layer([d for d, _ in entries], "schedule entries")  # refuse entries needing different layers now
+
+    @property
+    def hidden_layer(self) -> HiddenLayers:
+        return shared_hidden_layer([d for d, _ in self.schedule], "schedule entries")
 
     def describe(self) -> DrafterInfo:
         return DrafterInfo(self.kind, self.name, self.k, parts=[d.describe() for d, _ in self.schedule])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from cascade.drafters.base import Drafter, shared_hidden_layer
-from cascade.models.lm import CausalLM
+from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy, TreePolicy
 from cascade.trees.growth import LevelCalls, Node, Tree
 from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, TreeStats, VerifyResult
@@ -44,7 +44,11 @@ class TreeDrafter(Drafter):
         self._verified: list[Node] = []  # the nodes of the last proposal, in block order
         self._verified_ids: list[int] = []  # their indices in that proposal's tree (what the drafters fed)
         self._started: set[int] = set()  # LM drafters that started on that tree (their caches hold it)
-        self.hidden_layer = shared_hidden_layer(self.drafters, "tree drafters")
+        shared_hidden_layer(self.drafters, "tree drafters")  # refuse drafters needing different layers now
+
+    @property
+    def hidden_layer(self) -> HiddenLayers:
+        return shared_hidden_layer(self.drafters, "tree drafters")
 
     @property
     def kind(self) -> str:

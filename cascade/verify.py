@@ -88,7 +88,7 @@ from typing import Callable
 
 import torch
 
-from cascade.models.lm import CausalLM
+from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.sampling import logits_to_probs, sample
 from cascade.tree import children_of, depths_of, is_chain, path_to, tree_inputs
 from cascade.types import ACCEPTED, REJECTED, UNJUDGED, DraftBlock, SamplingConfig, VerifyResult
@@ -362,7 +362,7 @@ class Verifier:
     trees: bool = True
     kept: Callable[[VerifyResult], list[int]] = committed_inputs
 
-    def forward(self, target: CausalLM, cache, last: int, block: DraftBlock, return_hidden: int | None = None):
+    def forward(self, target: CausalLM, cache, last: int, block: DraftBlock, return_hidden: HiddenLayers = None):
         """One target forward over ``[last] + block.tokens`` on top of ``cache`` (which holds the
         committed prefix before ``last``), with tree positions and mask when the block is a tree.
         Returns logits [n + 1, V], or (logits, hidden [n + 1, H]) with ``return_hidden``."""

@@ -28,7 +28,7 @@ from cascade.tree_drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
 from cascade.verify import VERIFIERS as RULES
-from head_fit import eagle_release, fitted_head
+from head_fit import eagle3_release, eagle_release, fitted_head
 from deep_stats import LEVEL, exact_law, hf_warpers, lossless_pvalue, sample_outputs
 
 V = 5
@@ -113,6 +113,9 @@ def methods(target, close, far):
                                                   SuffixDrafter(target_store(target), k=1, min_ngram=1)],
                                                  DynamicTreePolicy(t_min=0.02, max_nodes=24, max_depth=5, max_rank=1,
                                                                    prior_drafter_cost=0.01, prior_verify_slope=0.005, measure_costs=False)),
+        # a published-format EAGLE-3 head (three captured layers, a draft vocabulary lacking id 3:
+        # that id comes only from the residual), fitted and written as EAGLE-3's code writes one
+        "chain_eagle3_release": lambda: DraftHeadDrafter(str(eagle3_release(target, layers=(1, 2, 2), drop=(3,))), k=5),
     }
 
 

@@ -29,16 +29,17 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from cascade.models.lm import CausalLM
+from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, VerifyResult
 
 
-def shared_hidden_layer(drafters: list["Drafter"], what: str) -> int | None:
-    """The one target layer whose hidden states the ``drafters`` of a composite drafter need
-    (None: none of them does); refuses drafters that need different layers."""
+def shared_hidden_layer(drafters: list["Drafter"], what: str) -> HiddenLayers:
+    """The one target layer (or tuple of layers) whose hidden states the ``drafters`` of a
+    composite drafter need (None: none of them does); refuses drafters that need different ones.
+    Asked when decoding starts (after ``check_compatible``: a head loaded then knows its layers)."""
     layers = {d.hidden_layer for d in drafters} - {None}
     if len(layers) > 1:
-        raise ValueError(f"{what} need the target's hidden states at different layers {sorted(layers)}")
+        raise ValueError(f"{what} need the target's hidden states at different layers {sorted(map(str, layers))}")
     return layers.pop() if layers else None
 
 
@@ -47,7 +48,7 @@ class Drafter(ABC):
     kind: str = "drafter"  # what kind of method this is, written into run summaries
 
     # The target layer whose output hidden states this drafter needs (None: none).
-    hidden_layer: int | None = None
+    hidden_layer: HiddenLayers = None
     # Whether its drafts may be token trees (else always chains): a chain-only verification
     # rule (block verification) refuses such a drafter before decoding.
     drafts_trees: bool = False

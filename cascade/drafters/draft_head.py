@@ -3,7 +3,9 @@
 The head (``cascade.models.draft_head.DraftHead``) needs the target's feature f_t (the LM head's
 input) at every committed position; the drafter asks the decode loop for them
 (``hidden_layer = FINAL_HIDDEN``), which reads them from the target's own forwards: the prompt's
-at prefill, the committed path's after each verification (in tree order for a tree).
+at prefill, the committed path's after each verification (in tree order for a tree). An EAGLE-3
+head (``cascade.models.eagle3.Eagle3Head``) asks for three layers' states instead
+(``hidden_layer`` is then the head's tuple of layers) and is driven the same way.
 
 Positions. With committed tokens x_0..x_T (x_T the root, the last token, whose feature the next
 verification computes) the loop has handed over f_0..f_{T-1}. The head's input at head position
@@ -26,7 +28,8 @@ import torch
 from cascade.drafters.lm_base import LMDrafter, TreeCacheState
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.draft_head import DraftHead
-from cascade.models.lm import FINAL_HIDDEN, CausalLM
+from cascade.models.eagle3 import Eagle3Head, open_head
+from cascade.models.lm import FINAL_HIDDEN, CausalLM, HiddenLayers
 from cascade.types import SamplingConfig, Scored
 
 
@@ -34,16 +37,16 @@ class DraftHeadDrafter(LMDrafter):
     """Drafts with a ``DraftHead`` (see the module docstring)."""
 
     kind = "draft_head"
-    hidden_layer = FINAL_HIDDEN
 
-    def __init__(self, head: DraftHead | str, k: int = 4, sample: bool = True, stop: StopPolicy | None = None,
+    def __init__(self, head: DraftHead | Eagle3Head | str, k: int = 4, sample: bool = True, stop: StopPolicy | None = None,
                  stop_below: float | None = None, name: str | None = None) -> None:
-        """head: a ``DraftHead``, a checkpoint path (``python -m cascade.train_head``), a published
-        EAGLE-1/2 head (its directory or weight file: ``DraftHead.from_eagle``), or "init"
-        (untrained, built from the target: for debug runs and tests)."""
+        """head: a ``DraftHead`` or ``Eagle3Head``, a checkpoint path (``python -m
+        cascade.train_head``), a published EAGLE-1/2 or EAGLE-3 head (its directory or weight
+        file: ``cascade.models.eagle3.open_head``), or "init" (untrained, built from the target:
+        for debug runs and tests)."""
         super().__init__(k=k, sample=sample, stop=stop, stop_below=stop_below)
         self._head_spec = head
-        self.head: DraftHead | None = head if isinstance(head, DraftHead) else None
+        self.head: DraftHead | Eagle3Head | None = head if isinstance(head, (DraftHead, Eagle3Head)) else None
         self.name = name or "draft_head"
         self.model: CausalLM | None = None
         self._readout = None
@@ -54,17 +57,23 @@ class DraftHeadDrafter(LMDrafter):
         if self.model is target:
             return
         if self.head is None or self._head_spec == "init":
-            self.head = DraftHead.from_target(target) if self._head_spec == "init" else DraftHead.open(self._head_spec, target)
+            self.head = DraftHead.from_target(target) if self._head_spec == "init" else open_head(self._head_spec, target)
         self.head.for_inference(target)  # refuses a head built for another target
         self._readout = self.head.readout(target)
         self.model = target
+
+    @property
+    def hidden_layer(self) -> HiddenLayers:
+        """The target states the head reads: the last layer's feature, or (EAGLE-3) three layers'
+        (known once a loaded head is bound; FINAL_HIDDEN before)."""
+        return FINAL_HIDDEN if self.head is None else self.head.hidden_layer
 
     def bind(self, target: CausalLM, cache) -> None:
         self.check_compatible(target)
 
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
-        self._feats: torch.Tensor | None = None  # [T, H] the target's features of committed positions 0..T-1
+        self._feats: torch.Tensor | None = None  # [T, F] the target's features of committed positions 0..T-1 (F = head.feature_size)
         self._cache = self.head.new_cache() if self.head is not None else None
         self._true_len = 0  # head cache entries computed from the target's features (positions 0.._true_len-1)
         self._last: torch.Tensor | None = None  # [H] the head's predicted feature after the last token fed
@@ -101,7 +110,7 @@ class DraftHeadDrafter(LMDrafter):
             # dropped with the draft (_true_len 0)
             self.head.crop(self._cache, 0)
             self._true_len = 0
-            zero = torch.zeros(1, self.head.hidden_size, dtype=self.model.dtype, device=self.model.device)
+            zero = torch.zeros(1, self.head.feature_size, dtype=self.model.dtype, device=self.model.device)
             feats, logits = self._step(zero, context[:1], torch.tensor([0]))
             self._last = feats[-1]
             return logits[-1]

@@ -77,7 +77,23 @@ class HeadCheckpointError(ValueError):
     """A draft-head checkpoint that does not fit the target it is loaded for."""
 
 
-def _target_facts(lm: CausalLM) -> dict:
+def on_target_kernels(head: nn.Module, lm: CausalLM) -> None:
+    """On a target whose LM head runs on fp16 weights (FBGEMM's or cascade's native kernel), run
+    ``head``'s linears on that kernel too, its weights rounded to fp16 first (the head is then that
+    rounded head, whose distributions are the q it reports); otherwise leave it as it is."""
+    target_head = decoder_parts(lm).head
+    fbgemm = isinstance(target_head, FP16WeightLinear) and fbgemm_available()
+    if fbgemm or isinstance(target_head, NativeFP16Linear):
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(p.half().float())
+        if fbgemm:
+            use_fp16_weight_linears(head)
+        else:
+            swap_linears(head, NativeFP16Linear)
+
+
+def target_facts(lm: CausalLM) -> dict:
     parts = decoder_parts(lm)
     return {"target": lm.name, "hidden_size": int(parts.config.hidden_size), "num_layers": parts.num_layers,
             "vocab_size": lm.vocab_size}
@@ -101,6 +117,9 @@ class DraftHead(nn.Module):
     def hidden_size(self) -> int:
         return int(self.facts["hidden_size"])
 
+    feature_size = hidden_size  # width of the target features it reads: the last layer's, H
+    hidden_layer = FINAL_HIDDEN  # which target states the decode loop hands over
+
     @classmethod
     def from_target(cls, lm: CausalLM, vocab: torch.Tensor | None = None, seed: int = 0,
                     layout: HeadLayout = HeadLayout()) -> "DraftHead":
@@ -108,7 +127,7 @@ class DraftHead(nn.Module):
         from the target's final norm, ``fc`` at random (seeded); ``layout`` says which norms it
         has (the "normed" fusion's two norms start at unit gain)."""
         parts = decoder_parts(lm)
-        facts = _target_facts(lm)
+        facts = target_facts(lm)
         if vocab is not None:
             vocab = torch.as_tensor(vocab, dtype=torch.int64).reshape(-1)
             if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= facts["vocab_size"] \
@@ -181,7 +200,7 @@ class DraftHead(nn.Module):
     # ---- binding ----------------------------------------------------------------------------
     def check_target(self, lm: CausalLM) -> None:
         """Refuse a target of another shape or name."""
-        facts = _target_facts(lm)
+        facts = target_facts(lm)
         wrong = {k: (self.facts.get(k), v) for k, v in facts.items() if self.facts.get(k) != v}
         if wrong:
             detail = ", ".join(f"{k} {mine!r} != {theirs!r}" for k, (mine, theirs) in wrong.items())
@@ -194,16 +213,7 @@ class DraftHead(nn.Module):
         first: the head is then that rounded head, whose distributions are the q it reports)."""
         self.check_target(lm)
         self.to(lm.device, lm.dtype).eval()
-        target_head = decoder_parts(lm).head
-        fbgemm = isinstance(target_head, FP16WeightLinear) and fbgemm_available()
-        if fbgemm or isinstance(target_head, NativeFP16Linear):
-            with torch.no_grad():
-                for p in self.parameters():
-                    p.copy_(p.half().float())
-            if fbgemm:
-                use_fp16_weight_linears(self)
-            else:
-                swap_linears(self, NativeFP16Linear)
+        on_target_kernels(self, lm)
         return self
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -219,7 +229,7 @@ class DraftHead(nn.Module):
     @classmethod
     def load(cls, path: str | Path, lm: CausalLM) -> "DraftHead":
         payload = load_checkpoint(path, FORMAT, "draft-head", "cascade.train_head", HeadCheckpointError)
-        facts = _target_facts(lm)
+        facts = target_facts(lm)
         wrong = {k: (payload.get(k), v) for k, v in facts.items() if payload.get(k) != v}
         if wrong:
             detail = ", ".join(f"{k}: checkpoint {mine!r}, target {theirs!r}" for k, (mine, theirs) in wrong.items())
@@ -236,8 +246,9 @@ class DraftHead(nn.Module):
     # ---- published heads ------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | Path, lm: CausalLM) -> "DraftHead":
-        """A head from ``path``, whichever format: a cascade checkpoint (``python -m
-        cascade.train_head``) or an EAGLE-1/2 release (a directory, or its weight file)."""
+        """A head from ``path``: a cascade checkpoint (``python -m cascade.train_head``) or an
+        EAGLE-1/2 release (a directory, or its weight file); ``cascade.models.eagle3.open_head``
+        also opens EAGLE-3 releases."""
         path = Path(path).expanduser()
         if path.is_dir() or path.suffix in (".bin", ".safetensors") or path.name.startswith("pytorch_model"):
             return cls.from_eagle(path, lm)
@@ -252,12 +263,12 @@ class DraftHead(nn.Module):
         against the target's). Refuses a checkpoint whose sizes do not fit ``lm`` and EAGLE-3's
         format (three captured layers, a draft vocabulary), naming what differs."""
         path = Path(path).expanduser()
-        weights, config = _eagle_files(path)
-        state = _read_state(weights)
+        weights, config = eagle_files(path)
+        state = read_state(weights)
         if any(k.startswith("midlayer.") for k in state) or "d2t" in state:
             raise HeadCheckpointError(
-                f"{weights} is an EAGLE-3 head (midlayer.*, a draft vocabulary): cascade loads EAGLE-1/2 heads; an "
-                "EAGLE-3 head reads three of the target's layers, which the decode loop does not capture")
+                f"{weights} is an EAGLE-3 head (midlayer.*, a draft vocabulary): load it with "
+                "cascade.models.eagle3.Eagle3Head.from_release or open_head (DraftHeadDrafter takes either format)")
         parts = decoder_parts(lm)
         hidden, vocab_size = int(parts.config.hidden_size), lm.vocab_size
         wrong = []
@@ -302,7 +313,7 @@ class DraftHead(nn.Module):
         return head
 
 
-def _eagle_files(path: Path) -> tuple[Path, dict | None]:
+def eagle_files(path: Path) -> tuple[Path, dict | None]:
     """The weight file and the parsed config.json (None when absent) of an EAGLE release."""
     folder = path if path.is_dir() else path.parent
     if path.is_dir():
@@ -318,7 +329,7 @@ def _eagle_files(path: Path) -> tuple[Path, dict | None]:
     return weights, json.loads(config.read_text()) if config.is_file() else None
 
 
-def _read_state(weights: Path) -> dict[str, torch.Tensor]:
+def read_state(weights: Path) -> dict[str, torch.Tensor]:
     if weights.suffix == ".safetensors":
         from safetensors.torch import load_file
 

@@ -99,28 +99,32 @@ class LeanDecoder:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                keep_last: int | None, return_hidden: int | None):
+                keep_last: int | None, return_hidden: int | tuple[int, ...] | None):
         """``ids`` [n], ``position_ids`` [n], ``attention_mask`` None (causal) or [1, 1, n, L]
         additive; returns logits [n or keep_last, V] and, with ``return_hidden``, the hidden
-        states [n, E] (after that many layers, or after the final norm for -1)."""
+        states [n, E] (after that many layers, or after the final norm for -1; several layers'
+        concatenated in the order given for a tuple)."""
         h = self.embed(ids)  # [n, E]
         cos, sin = self.rotary(h[None], position_ids[None])  # [1, n, D] each
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, D]
         mask = None if attention_mask is None else attention_mask.float()
-        hidden = None
+        wanted = return_hidden if isinstance(return_hidden, tuple) else (return_hidden,)
+        kept: dict[int, torch.Tensor] = {}  # layer index -> hidden states [n, E]
         silu_mul = self.kernels.silu_mul  # silu(gate) * up: the activation lean_unsupported admits
         for index, (layer, (in_norm, post_norm)) in enumerate(zip(self.layers, self.norms)):
             h = h + self._attention(layer, index, in_norm(h), cos, sin, cache, mask)
             mlp = layer.mlp
             x = post_norm(h)
             h = h + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-            if return_hidden == index + 1:
-                hidden = h
+            if index + 1 in wanted:
+                kept[index + 1] = h
         h = self.final_norm(h)
-        if return_hidden == -1:
-            hidden = h
+        if -1 in wanted:
+            kept[-1] = h
         logits = self.head(h if not keep_last else h[-keep_last:])
-        return logits if return_hidden is None else (logits, hidden)
+        if return_hidden is None:
+            return logits
+        return logits, (kept[wanted[0]] if len(wanted) == 1 else torch.cat([kept[i] for i in wanted], -1))
 
 
 def attach_lean(lm) -> None:

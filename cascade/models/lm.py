@@ -22,6 +22,18 @@ from cascade.models.lean import LeanDecoder
 # head's input (the features an EAGLE-style draft head reads).
 FINAL_HIDDEN = -1
 
+# What a forward may return beside its logits: None, one layer (``L`` after the first L decoder
+# layers, or FINAL_HIDDEN), or several layers' states concatenated in the order given (EAGLE-3
+# reads three), [n, len(layers) * H].
+HiddenLayers = int | tuple[int, ...] | None
+
+
+def hidden_layers(return_hidden: HiddenLayers) -> tuple[int, ...]:
+    """``return_hidden`` as a tuple of layer indices (empty for None)."""
+    if return_hidden is None:
+        return ()
+    return tuple(return_hidden) if isinstance(return_hidden, tuple) else (return_hidden,)
+
 INITIAL_CAPACITY = 256  # positions a cache layer's buffer holds before it first doubles
 
 
@@ -192,7 +204,7 @@ class CausalLM:
         position_ids: torch.Tensor | None = None,  # [n]; default: cache_len .. cache_len+n-1
         attention_mask: torch.Tensor | None = None,  # [1, 1, n, cache_len + n] float, 0 / -inf
         keep_last: int | None = None,
-        return_hidden: int | None = None,
+        return_hidden: HiddenLayers = None,
     ):
         """Run ``tokens`` on top of ``cache`` (which grows by n). Returns logits [n, V], or
         [keep_last, V] for the last positions only (the LM head is skipped on the others).
@@ -201,15 +213,18 @@ class CausalLM:
         (before the final norm), [n, H]: ``(logits, hidden)``; ``return_hidden=FINAL_HIDDEN``
         (-1) the last layer's after the final norm (the LM head's input). Self-drafters (an early
         exit with an adapter, a draft head) read the target's own states this way, in tree order
-        for a tree forward."""
+        for a tree forward. A tuple of layers returns their states concatenated, [n, len * H]."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if position_ids is None:
             start = self.cache_len(cache)
             position_ids = torch.arange(start, start + n, device=self.device)
         layers = int(self.model.config.num_hidden_layers)
-        if return_hidden is not None and return_hidden != FINAL_HIDDEN and not 1 <= return_hidden < layers:
-            raise ValueError(f"return_hidden must name a layer in [1, {layers - 1}] or be FINAL_HIDDEN (-1), got {return_hidden}")
+        wanted = hidden_layers(return_hidden)
+        bad = [i for i in wanted if not (i == FINAL_HIDDEN or 1 <= i < layers)]
+        if bad or (len(wanted) > 1 and FINAL_HIDDEN in wanted) or (isinstance(return_hidden, tuple) and not wanted):
+            raise ValueError(f"return_hidden must name layers in [1, {layers - 1}] or be FINAL_HIDDEN (-1) alone, "
+                             f"got {return_hidden}")
         if self.lean is not None:
             return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(self.device), attention_mask,
                                      keep_last, return_hidden)
@@ -224,7 +239,7 @@ class CausalLM:
         )
         if return_hidden is None:
             return out.logits[0]  # [n, V] or [keep_last, V]
-        return out.logits[0], out.hidden_states[return_hidden][0]  # [n, V], [n, H]
+        return out.logits[0], torch.cat([out.hidden_states[i][0] for i in wanted], -1)  # [n, V], [n, len(wanted) * H]
 
     def top2_gap(self, ids: list[int]) -> float:
         """Gap between the two largest next-token logits after ``ids``: how near a tie the greedy

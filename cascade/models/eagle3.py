@@ -1,0 +1,274 @@
+"""Published EAGLE-3 heads, in the format EAGLE-3's released code writes.
+
+An EAGLE-3 head reads three of the target's layers, not its last feature: g_t = [h^a_t, h^b_t,
+h^c_t] (the residual stream after the first a, b and c decoder layers at position t; EAGLE's
+default (a, b, c) = (2, L // 2, L - 3) for an L-layer target, or the release's
+``eagle_aux_hidden_state_layer_ids``), fused by ``fc`` (3H -> H, no bias). Its one decoder layer
+(``midlayer``) differs from a target layer in its input: attention reads
+[input_layernorm(e(x_{t+1})), hidden_norm(s_t)] (2H -> q/k/v), the residual is s_t (the fused
+feature, or the head's own previous output); MLP and post-attention norm as usual. Its output
+s^_{t+1} is fed back as is when drafting deeper (no ``fc``: it is already H wide), and read out
+through its own final ``norm`` and ``lm_head`` over a draft vocabulary of Vd ids, draft id d
+being target id d + d2t[d] (``t2d`` marks the target ids that have one). Every other target id
+gets probability 0, so q is the exact distribution drafts are sampled from.
+
+:class:`Eagle3Head` keeps the interface ``DraftHeadDrafter`` drives (``forward`` -> the fed-back
+state, ``readout`` -> logits over the target's vocabulary, ``new_cache`` / ``crop`` /
+``cache_len``, ``for_inference``), plus ``hidden_layer`` (the tuple of target layers the decode
+loop must hand over) and ``feature_size`` (3H). :func:`open_head` opens any head a
+``DraftHeadDrafter`` takes: a cascade checkpoint, an EAGLE-1/2 release or an EAGLE-3 release.
+Training EAGLE-3 heads is not built (``cascade.train_head`` trains the single-feature head).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from cascade.models.draft_head import (DraftHead, HeadCheckpointError, eagle_files, on_target_kernels, read_state,
+                                       target_facts)
+from cascade.models.layers import decoder_parts, trainable_attention
+from cascade.models.lm import CausalLM
+
+__all__ = ["Eagle3Head", "is_eagle3", "open_head"]
+
+
+def is_eagle3(state: dict) -> bool:
+    """Whether a release's state dict is EAGLE-3's (a ``midlayer``, or a draft vocabulary map)."""
+    return any(k.startswith("midlayer.") for k in state) or "d2t" in state
+
+
+def default_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's captured layers for an ``num_layers``-layer target: the inputs of layers 2,
+    L // 2 and L - 3, i.e. the states after that many layers."""
+    return 2, num_layers // 2, num_layers - 3
+
+
+def rope_theta(config) -> float | None:
+    """The RoPE base of a transformers config (``rope_parameters`` in transformers 5, else
+    ``rope_theta``); None when it has neither."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    value = getattr(config, "rope_theta", None)
+    return None if value is None else float(value)
+
+
+class DraftVocabReadout(nn.Module):
+    """norm, then the head's own LM head over the draft vocabulary, scattered onto the target's:
+    [..., H] -> [..., V] with -inf at every id outside ``vocab``."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, vocab: torch.Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+        self.register_buffer("vocab", vocab, persistent=False)
+        self.out_features = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = self.lm_head(self.norm(hidden))  # [..., Vd]
+        out = rows.new_full((*rows.shape[:-1], self.out_features), float("-inf"))
+        out[..., self.vocab] = rows
+        return out
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, fc: nn.Linear, layer: nn.Module, hidden_norm: nn.Module, norm: nn.Module, lm_head: nn.Linear,
+                 vocab: torch.Tensor, layers: tuple[int, ...], config, facts: dict) -> None:
+        super().__init__()
+        self.fc, self.layer, self.hidden_norm, self.norm, self.lm_head = fc, layer, hidden_norm, norm, lm_head
+        self.register_buffer("vocab", vocab)  # [Vd] target id of each draft id
+        self.layers = tuple(int(i) for i in layers)
+        self.config = config  # the head's own one-layer config
+        self.facts = dict(facts)
+        self.metrics: dict = {}
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.facts["hidden_size"])
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the loop hands over: three layers' states."""
+        return len(self.layers) * self.hidden_size
+
+    @property
+    def hidden_layer(self) -> tuple[int, ...]:
+        return self.layers
+
+    # ---- cache ------------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    cache_len = staticmethod(CausalLM.cache_len)
+    crop = staticmethod(CausalLM.crop)
+
+    # ---- forward ----------------------------------------------------------------------------
+    def forward(self, lm: CausalLM, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                cache: DynamicCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """features: [n, 3H] (the target's three layers: fused by ``fc``) or [n, H] (the head's own
+        previous outputs, fed as they are), tokens: [n] (x_{t+1}), positions: [n] -> the head's
+        states [n, H] (before its final norm: what it feeds back)."""
+        parts = decoder_parts(lm)
+        dtype = self.fc.weight.dtype if isinstance(self.fc, nn.Linear) else lm.dtype
+        emb = parts.embed(tokens.reshape(-1).to(lm.device)).to(dtype)  # [n, H]
+        s = features.to(emb.device, dtype)
+        if s.shape[-1] == self.feature_size:
+            s = self.fc(s)  # [n, H]
+        elif s.shape[-1] != self.hidden_size:
+            raise ValueError(f"features of width {s.shape[-1]}: this head takes {self.feature_size} (the target's "
+                             f"layers {self.layers}) or {self.hidden_size} (its own states)")
+        s = s.unsqueeze(0)  # [1, n, H]
+        pos = positions.reshape(1, -1).to(s.device)  # [1, n]
+        pe = parts.rotary(s, position_ids=pos)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(s.device, s.dtype)
+        mask = create_causal_mask(config=self.config, inputs_embeds=s, attention_mask=attention_mask, cache=cache,
+                                  position_ids=pos)
+        layer = self.layer
+        attn_in = torch.cat([layer.input_layernorm(emb.unsqueeze(0)), self.hidden_norm(s)], -1)  # [1, n, 2H]
+        attn, _ = layer.self_attn(hidden_states=attn_in, attention_mask=mask, position_ids=pos, cache=cache,
+                                  use_cache=cache is not None, position_embeddings=pe)
+        h = s + attn
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h[0]  # [n, H]
+
+    def readout(self, lm: CausalLM) -> nn.Module:
+        return DraftVocabReadout(self.norm, self.lm_head, self.vocab, lm.vocab_size)
+
+    # ---- binding ----------------------------------------------------------------------------
+    def check_target(self, lm: CausalLM) -> None:
+        facts = target_facts(lm)
+        wrong = {k: (self.facts.get(k), v) for k, v in facts.items() if k != "target" and self.facts.get(k) != v}
+        if wrong:
+            detail = ", ".join(f"{k} {mine!r} != {theirs!r}" for k, (mine, theirs) in wrong.items())
+            raise HeadCheckpointError(f"EAGLE-3 head was loaded for another target ({detail})")
+
+    def for_inference(self, lm: CausalLM) -> "Eagle3Head":
+        """The target's device and dtype, eval mode, and the target's fp16-weight kernel where its
+        LM head runs on one (``on_target_kernels``)."""
+        self.check_target(lm)
+        self.to(lm.device, lm.dtype).eval()
+        on_target_kernels(self, lm)
+        return self
+
+    # ---- releases -------------------------------------------------------------------------------
+    @classmethod
+    def from_release(cls, path: str | Path, lm: CausalLM) -> "Eagle3Head":
+        """An EAGLE-3 head as its released code writes it (a directory with ``config.json`` and
+        ``model.safetensors`` / ``pytorch_model.bin``, or the weight file): ``fc.weight`` [H, 3H],
+        ``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``,
+        ``midlayer.self_attn.{q,k,v}_proj.weight`` [*, 2H], ``o_proj``, ``midlayer.mlp.*``,
+        ``norm.weight``, ``lm_head.weight`` [Vd, H], ``d2t`` [Vd] (absent when Vd = V), optional
+        ``t2d`` / ``embed_tokens.weight`` (checked). Refuses weights or a config that do not fit
+        ``lm``, naming each difference."""
+        weights, config = eagle_files(Path(path).expanduser())
+        state = read_state(weights)
+        if not is_eagle3(state):
+            raise HeadCheckpointError(f"{weights} is not an EAGLE-3 head (no midlayer.*): DraftHead.from_eagle reads EAGLE-1/2")
+        parts = decoder_parts(lm)
+        tc = parts.config
+        hidden, vocab_size = int(tc.hidden_size), lm.vocab_size
+        heads, kv = int(tc.num_attention_heads), int(tc.num_key_value_heads)
+        head_dim = int(getattr(tc, "head_dim", None) or hidden // heads)
+        config = config or {}
+        wrong = []
+        for key, mine in (("hidden_size", hidden), ("vocab_size", vocab_size), ("num_attention_heads", heads),
+                          ("num_key_value_heads", kv)):
+            if key in config and int(config[key]) != int(mine):
+                wrong.append(f"{key} {config[key]} (target {mine})")
+        if "target_hidden_size" in config and int(config["target_hidden_size"]) != hidden:
+            wrong.append(f"target_hidden_size {config['target_hidden_size']} (target {hidden})")
+        theta = rope_theta(tc)
+        if config.get("rope_theta") is not None and theta is not None and float(config["rope_theta"]) != theta:
+            wrong.append(f"rope_theta {config['rope_theta']} (target {theta}: the head runs on the target's rotary)")
+        missing = [k for k in ("fc.weight", "lm_head.weight", "norm.weight", "midlayer.hidden_norm.weight",
+                               "midlayer.self_attn.q_proj.weight") if k not in state]
+        if missing:
+            raise HeadCheckpointError(f"{weights} lacks {missing}: not a complete EAGLE-3 head")
+        layers = tuple(int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                       or default_layers(parts.num_layers))
+        if not all(1 <= i < parts.num_layers for i in layers):
+            wrong.append(f"captured layers {layers} (the target has {parts.num_layers})")
+        if tuple(state["fc.weight"].shape) != (hidden, len(layers) * hidden):
+            wrong.append(f"fc.weight {tuple(state['fc.weight'].shape)} (target needs {(hidden, len(layers) * hidden)})")
+        q_shape = tuple(state["midlayer.self_attn.q_proj.weight"].shape)
+        if q_shape != (heads * head_dim, 2 * hidden):
+            wrong.append(f"midlayer.self_attn.q_proj.weight {q_shape} (target needs {(heads * head_dim, 2 * hidden)})")
+        draft_vocab = int(state["lm_head.weight"].shape[0])
+        if "draft_vocab_size" in config and int(config["draft_vocab_size"]) != draft_vocab:
+            wrong.append(f"draft_vocab_size {config['draft_vocab_size']} but lm_head.weight has {draft_vocab} rows")
+        emb = state.get("embed_tokens.weight")
+        if emb is not None and tuple(emb.shape) != (vocab_size, hidden):
+            wrong.append(f"embed_tokens.weight {tuple(emb.shape)} (target {(vocab_size, hidden)})")
+        d2t = state.get("d2t")
+        if d2t is None:
+            if draft_vocab != vocab_size:
+                wrong.append(f"lm_head.weight has {draft_vocab} rows but no d2t maps them onto the target's {vocab_size}")
+            vocab = torch.arange(vocab_size)
+        else:
+            vocab = torch.arange(d2t.numel()) + d2t.long()
+            if d2t.numel() != draft_vocab:
+                wrong.append(f"d2t has {d2t.numel()} entries, lm_head.weight {draft_vocab} rows")
+            elif int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size or vocab.unique().numel() != vocab.numel():
+                wrong.append(f"d2t maps draft ids outside [0, {vocab_size}) or two onto one target id")
+            elif "t2d" in state and not torch.equal(state["t2d"].bool().nonzero().reshape(-1), vocab.sort().values):
+                wrong.append("t2d does not mark exactly the target ids d2t maps onto")
+        if wrong:
+            raise HeadCheckpointError(f"{weights} does not fit target {lm.name!r}: " + "; ".join(wrong))
+
+        # the head's layer: the target family's decoder layer with q/k/v reading 2H
+        hc = copy.deepcopy(tc)
+        hc.num_hidden_layers = 1
+        if getattr(hc, "layer_types", None):
+            hc.layer_types = [hc.layer_types[-1]]
+        if "intermediate_size" in config:
+            hc.intermediate_size = int(config["intermediate_size"])
+        hc._attn_implementation = trainable_attention(hc)
+        layer = type(parts.layers[-1])(hc, layer_idx=0)
+        attn = layer.self_attn
+        for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv * head_dim), ("v_proj", kv * head_dim)):
+            key = f"midlayer.self_attn.{name}.bias"
+            setattr(attn, name, nn.Linear(2 * hidden, rows, bias=key in state))
+        attn.o_proj = nn.Linear(heads * head_dim, hidden, bias="midlayer.self_attn.o_proj.bias" in state)
+        hidden_norm = copy.deepcopy(parts.norm)
+        layer_state = {k[len("midlayer."):]: v.float() for k, v in state.items()
+                       if k.startswith("midlayer.") and not k.startswith("midlayer.hidden_norm.")}
+        expected = layer.float().state_dict()
+        unexpected, absent = set(layer_state) - set(expected), set(expected) - set(layer_state)
+        bad = [k for k in set(layer_state) & set(expected) if layer_state[k].shape != expected[k].shape]
+        if unexpected or absent or bad:
+            raise HeadCheckpointError(f"{weights}: midlayer weights do not fit {type(layer).__name__} (missing "
+                                      f"{sorted(absent)[:4]}, unexpected {sorted(unexpected)[:4]}, wrong shapes "
+                                      f"{sorted(bad)[:4]})")
+        layer.load_state_dict(layer_state)
+        with torch.no_grad():
+            hidden_norm.weight.copy_(state["midlayer.hidden_norm.weight"].float())
+        norm = copy.deepcopy(parts.norm).float()
+        with torch.no_grad():
+            norm.weight.copy_(state["norm.weight"].float())
+        fc = nn.Linear(len(layers) * hidden, hidden, bias=False)
+        lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        with torch.no_grad():
+            fc.weight.copy_(state["fc.weight"].float())
+            lm_head.weight.copy_(state["lm_head.weight"].float())
+        head = cls(fc, layer, hidden_norm.float(), norm, lm_head, vocab, layers, hc, target_facts(lm))
+        head.metrics = {"source": str(weights), "format": "eagle-3", "layers": list(layers), "draft_vocab": draft_vocab}
+        return head
+
+
+def open_head(path: str | Path, lm: CausalLM) -> DraftHead | Eagle3Head:
+    """The head at ``path``, whichever format: a cascade checkpoint (``python -m
+    cascade.train_head``), an EAGLE-1/2 release or an EAGLE-3 release (a directory, or its weight
+    file)."""
+    path = Path(path).expanduser()
+    if path.is_dir() or path.suffix in (".bin", ".safetensors") or path.name.startswith("pytorch_model"):
+        weights, _ = eagle_files(path)
+        if is_eagle3(read_state(weights)):
+            return Eagle3Head.from_release(path, lm)
+        return DraftHead.from_eagle(path, lm)
+    return DraftHead.load(path, lm)
