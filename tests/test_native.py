@@ -252,7 +252,9 @@ def test_lean_forward_is_bitwise_transformers_forward(tiny_native):
         first = lm.forward(prompt, cache)
         logits, hidden = lm.forward(block, cache, return_hidden=2)
         _, final = lm.forward([7], cache, return_hidden=FINAL_HIDDEN)
-        return first, logits, hidden, final, lm.cache_len(cache)
+        _, three = lm.forward([8, 9], cache, return_hidden=(1, 2, 2))  # EAGLE-3's captured layers, concatenated
+        assert three.shape == (2, 3 * lm.model.config.hidden_size)
+        return first, logits, hidden, final, three, lm.cache_len(cache)
 
     for a, b in zip(*_both_paths(tiny_native, chain)):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
