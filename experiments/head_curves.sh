@@ -7,10 +7,11 @@
 #     57k_e3:      all ~57k tokens x 3 epochs (~960 steps: more steps on the same data)
 #     15k_e4:      the first 15k tokens x 4 epochs (~320 steps: the 57k one-epoch run's step count)
 #     30k_e2:      the first 30k tokens x 2 epochs (~320 steps)
-#     57k_e3_bf16: 57k_e3 with bf16 autocast training steps (throughput and agreement against fp32)
+#     15k_e4_bf16: 15k_e4 with bf16 autocast training steps (throughput and agreement against fp32)
+#     57k_e3_bf16: 57k_e3 with bf16 autocast training steps
 # fp32 runs use fp32 features too (the arithmetic of the one-epoch baseline in
 # results/train_head/summary_normed.json), whatever the defaults.
-# Usage: bash experiments/head_curves.sh [NAME ...]   (default: 57k_e3 15k_e4 57k_e3_bf16)
+# Usage: bash experiments/head_curves.sh [NAME ...]   (default: 57k_e3 15k_e4 15k_e4_bf16)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=results/train_head/curves
@@ -20,9 +21,10 @@ declare -A ARGS=(
   [57k_e3]="train.epochs=3 $fp32"
   [15k_e4]="train.train_tokens=15000 train.epochs=4 $fp32"
   [30k_e2]="train.train_tokens=30000 train.epochs=2 $fp32"
+  [15k_e4_bf16]="train.train_tokens=15000 train.epochs=4 train.precision=bf16 train.feature_storage=float32"
   [57k_e3_bf16]="train.epochs=3 train.precision=bf16 train.feature_storage=float32"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(57k_e3 15k_e4 57k_e3_bf16)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(57k_e3 15k_e4 15k_e4_bf16)
 for name in "${names[@]}"; do
   [ -n "${ARGS[$name]+x}" ] || { echo "unknown run $name (known: ${!ARGS[*]})" >&2; exit 2; }
   echo "== $name: ${ARGS[$name]}" | tee "$out/$name.log"
