@@ -5,12 +5,11 @@ optimiser steps, and a fit that says what would reach a goal.
     python -m analysis.head_curves results/train_head/summary_normed.json results/train_head/curves/*.json \
         --goal 0.5 --goal-depth3 0.3
 
-The fit: at a fixed step count, agreement grows with log training tokens (two or more data
-sizes at about the same steps give the slope); at a fixed data size, more epochs give the
-multi-epoch gain. The extrapolation to the goal is a log-linear fit over the runs' last epochs'
-data sizes at the step count they share; it says how many tokens that line needs, and what the
-runs' measured capture and training rates make of it. A fit of two or three points: a direction
-and an order of magnitude, not a prediction.
+Printed: every epoch of every run; the runs' agreement at the step count they share (data at
+equal steps); and, on each fp32 run of three or more epochs, a log-linear fit of agreement against
+optimiser steps, extrapolated to the goal, with what the runs' measured training rates make of
+it. A fit of three points, on one data set (where a smaller set overfits first, more data
+would be needed too): a direction and an order of magnitude, not a prediction.
 """
 
 from __future__ import annotations
@@ -44,44 +43,55 @@ def main() -> None:
     print(f"{'run':14s} {'tokens':>7s} {'epoch':>5s} {'steps':>5s} {'prec':>5s} {'train tok/s':>11s} "
           f"{'train top-1':>11s}  held-out depth 1 / 2 / 3 / 4")
     for r in runs:
+        before = 0.0
         for h in r["history"]:
             rate = h.get("train_tokens_per_s")
-            rate = f"{rate:11.0f}" if rate else f"{r['tokens'] * r['epochs'] / r['train_time_s']:10.0f}*"
+            rate = f"{rate:11.0f}" if rate else f"{r['tokens'] / (h['elapsed_s'] - before):10.0f}*"
+            before = h["elapsed_s"]
             print(f"{r['name']:14s} {r['tokens']:7d} {h['epoch'] + 1:5d} {h['steps']:5d} {r['precision']:>5s} {rate} "
                   f"{h['train_top1']:11.3f}  " + " / ".join(f"{a:.3f}" for a in h["agreement"]))
-    print("(* the run's whole training time over its tokens x epochs, held-out evaluations included)")
+    print("(train tok/s: training tokens per second of optimiser steps so far; * that epoch's wall time, its held-out "
+          "evaluation included, for summaries written before the rate was recorded)")
 
     # data at equal steps: every run's epoch closest to the smallest final step count
     steps = min(r["history"][-1]["steps"] for r in runs)
-    points = {}
+    points: dict[int, list] = {}
     for r in runs:
         h = min(r["history"], key=lambda h: abs(h["steps"] - steps))
-        if abs(h["steps"] - steps) <= 0.1 * steps:
-            points.setdefault(r["tokens"], []).append(h["agreement"])
+        if abs(h["steps"] - steps) <= 0.1 * steps and r["precision"] == "fp32":
+            points.setdefault(r["tokens"], []).append((r["name"], h["steps"], h["agreement"]))
     if len(points) >= 2:
-        xs = sorted(points)
-        ys1 = [sum(a[0] for a in points[x]) / len(points[x]) for x in xs]
-        ys3 = [sum(a[2] for a in points[x]) / len(points[x]) for x in xs]
-        print(f"\nat ~{steps} steps: " + ", ".join(f"{x} tokens -> {a:.3f} / {b:.3f} (depth 1 / 3)" for x, a, b in zip(xs, ys1, ys3)))
-        for depth, ys, goal in ((1, ys1, args.goal), (3, ys3, args.goal_depth3)):
-            lx = [math.log(x) for x in xs]
-            mx, my = sum(lx) / len(lx), sum(ys) / len(ys)
-            slope = sum((a - mx) * (b - my) for a, b in zip(lx, ys)) / sum((a - mx) ** 2 for a in lx)
+        print(f"\nat ~{steps} optimiser steps (fp32):")
+        for tokens in sorted(points):
+            for name, at, agree in points[tokens]:
+                print(f"  {tokens:6d} tokens ({name}, {at} steps): depth 1 {agree[0]:.3f}, depth 3 {agree[2]:.3f}")
+
+    # steps on one data set: each fp32 run of 3 or more epochs, agreement against log steps
+    for longest in [r for r in runs if len(r["history"]) >= 3 and r["precision"] == "fp32"]:
+        xs = [math.log(h["steps"]) for h in longest["history"]]
+        by_precision = {r["precision"]: r["history"][-1]["train_tokens_per_s"] for r in runs
+                        if r["history"][-1].get("train_tokens_per_s")}
+        print(f"\nsteps on {longest['tokens']} tokens ({longest['name']}, {len(longest['history'])} epochs), "
+              "log-linear fit over its epochs:")
+        for depth, goal in ((0, args.goal), (2, args.goal_depth3)):
+            ys = [h["agreement"][depth] for h in longest["history"]]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sum((a - mx) ** 2 for a in xs)
+            if ys[-1] >= goal:
+                print(f"  depth {depth + 1}: {ys[-1]:.3f} >= {goal} reached at {longest['history'][-1]['steps']} steps")
+                continue
             if slope <= 0:
-                print(f"depth {depth}: agreement does not grow with tokens at this step count (slope {slope:.3f})")
+                print(f"  depth {depth + 1}: no gain with steps (slope {slope:.3f})")
                 continue
             need = math.exp(mx + (goal - my) / slope)
-            print(f"depth {depth}: +{slope:.3f} agreement per e-fold of tokens; {goal} at ~{need:,.0f} training tokens "
-                  f"(x{need / xs[-1]:.0f} the largest run) on this line")
-            captured = [r for r in runs if r["feature_time_s"] and r["feature_time_s"] > 60]
-            trained = [(r["tokens"] * len(r["history"]), r["history"][-1].get("train_tokens_per_s")) for r in runs]
-            rates = [t for _, t in trained if t]
-            if captured and rates:
-                cap = captured[0]["capture_tokens"] / captured[0]["feature_time_s"]
-                best = max(rates)
-                hours = (need / cap + need / best) / 3600
-                print(f"  at {cap:.0f} tokens/s capture and {best:.0f} tokens/s training (one epoch): ~{hours:.1f} h on this CPU")
-
+            epochs = need / (longest["history"][-1]["steps"] / len(longest["history"]))
+            line = (f"  depth {depth + 1}: +{slope:.3f} per e-fold of steps; {goal} at ~{need:,.0f} steps "
+                    f"(~{epochs:.0f} epochs of these {longest['tokens']} tokens)")
+            for precision, rate in sorted(by_precision.items()):
+                line += f"; {longest['tokens'] * epochs / rate / 3600:.1f} h at {precision}'s {rate:.0f} tokens/s"
+            print(line)
+        if not by_precision:
+            print("  (no run recorded its training rate)")
 
 if __name__ == "__main__":
     main()
