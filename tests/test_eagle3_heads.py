@@ -11,15 +11,13 @@ import pytest
 import torch
 
 from cascade import generate
-from cascade.cascades import VerticalCascade
-from cascade.drafters import DraftHeadDrafter, NGramDrafter, SmallLMDrafter
+from cascade.drafters import DraftHeadDrafter
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.draft_head import DraftHead, HeadCheckpointError
 from cascade.models.eagle3 import Eagle3Head, open_head
 from cascade.models.layers import decoder_parts
-from cascade.tree_drafter import TreeDrafter
-from cascade.trees import DynamicTreePolicy, StaticTreePolicy
 from head_fit import eagle3_config, eagle3_release, write_eagle3
+from test_eagle_heads import ROLES, _rotate_half  # the same roles and RoPE helper as EAGLE-1/2 releases
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +28,6 @@ def target():
 @pytest.fixture(scope="module")
 def release(target):
     return eagle3_release(target)
-
-
-def _rotate_half(x):
-    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat([-b, a], -1)
 
 
 def _rms(x, w, eps):
@@ -110,16 +103,6 @@ def test_safetensors_releases_and_explicit_layers_load(target, release, tmp_path
         assert isinstance(head, Eagle3Head) and head.hidden_layer == (1, 4, 5)  # the config beside the weights
     with pytest.raises(HeadCheckpointError, match="EAGLE-3"):
         DraftHead.from_eagle(release, target)  # the EAGLE-1/2 loader names the other format
-
-
-ROLES = {
-    "chain": lambda path, close: DraftHeadDrafter(str(path), k=4),
-    "static_tree": lambda path, close: TreeDrafter([DraftHeadDrafter(str(path))], StaticTreePolicy((2, 2, 1))),
-    "cascade_top": lambda path, close: VerticalCascade([DraftHeadDrafter(str(path), k=5), NGramDrafter(k=2)]),
-    "dytc": lambda path, close: TreeDrafter([DraftHeadDrafter(str(path)), SmallLMDrafter(close), NGramDrafter(k=1)],
-                                            DynamicTreePolicy(t_min=0.05, max_nodes=16, max_depth=5, prior_drafter_cost=0.01,
-                                                              prior_verify_slope=0.005, measure_costs=False)),
-}
 
 
 @pytest.mark.parametrize("role", list(ROLES))

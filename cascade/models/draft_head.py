@@ -99,7 +99,37 @@ def target_facts(lm: CausalLM) -> dict:
             "vocab_size": lm.vocab_size}
 
 
-class DraftHead(nn.Module):
+class OneLayerHead(nn.Module):
+    """What cascade's head and an EAGLE-3 head share: a one-layer config of their own (its KV
+    cache), the target they were built for (``facts``), and running on the target's device,
+    dtype and kernels at inference. Subclasses define ``check_target``."""
+
+    config: object
+    facts: dict
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.facts["hidden_size"])
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    cache_len = staticmethod(CausalLM.cache_len)
+    crop = staticmethod(CausalLM.crop)
+
+    def check_target(self, lm: CausalLM) -> None:
+        raise NotImplementedError
+
+    def for_inference(self, lm: CausalLM):
+        """Move to the target's device and dtype, in eval mode, on the target's fp16-weight kernel
+        where its LM head runs on one (``on_target_kernels``); refuses another target first."""
+        self.check_target(lm)
+        self.to(lm.device, lm.dtype).eval()
+        on_target_kernels(self, lm)
+        return self
+
+
+class DraftHead(OneLayerHead):
     def __init__(self, fc: nn.Linear, layer: nn.Module, norm: nn.Module, config, facts: dict, vocab: torch.Tensor | None,
                  layout: HeadLayout = HeadLayout(), feature_norm: nn.Module | None = None,
                  embed_norm: nn.Module | None = None) -> None:
@@ -113,11 +143,7 @@ class DraftHead(nn.Module):
         self.register_buffer("vocab", None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64).reshape(-1))
         self.metrics: dict = {}
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.facts["hidden_size"])
-
-    feature_size = hidden_size  # width of the target features it reads: the last layer's, H
+    feature_size = OneLayerHead.hidden_size  # width of the target features it reads: the last layer's, H
     hidden_layer = FINAL_HIDDEN  # which target states the decode loop hands over
 
     @classmethod
@@ -160,13 +186,6 @@ class DraftHead(nn.Module):
                     halves[name].weight.fill_(1.0)
         return cls(fc, layer.float(), norm, config, facts, vocab, layout, **halves)
 
-    # ---- cache ------------------------------------------------------------------------------
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
-
-    cache_len = staticmethod(CausalLM.cache_len)
-    crop = staticmethod(CausalLM.crop)
-
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, lm: CausalLM, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: DynamicCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,15 +225,6 @@ class DraftHead(nn.Module):
             detail = ", ".join(f"{k} {mine!r} != {theirs!r}" for k, (mine, theirs) in wrong.items())
             raise HeadCheckpointError(f"draft head was built for another target ({detail}); train one for "
                                       f"{lm.name!r} with python -m cascade.train_head")
-
-    def for_inference(self, lm: CausalLM) -> "DraftHead":
-        """Move to the target's device and dtype, in eval mode; on a target whose LM head runs on
-        fp16 weights (FBGEMM's or cascade's native kernel), run the head's linears on that kernel too (weights rounded to fp16
-        first: the head is then that rounded head, whose distributions are the q it reports)."""
-        self.check_target(lm)
-        self.to(lm.device, lm.dtype).eval()
-        on_target_kernels(self, lm)
-        return self
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path, metrics: dict | None = None) -> Path:
@@ -262,10 +272,13 @@ class DraftHead(nn.Module):
         target's embedding: checked, not used) and a ``config.json`` beside the weights (checked
         against the target's). Refuses a checkpoint whose sizes do not fit ``lm`` and EAGLE-3's
         format (three captured layers, a draft vocabulary), naming what differs."""
-        path = Path(path).expanduser()
-        weights, config = eagle_files(path)
-        state = read_state(weights)
-        if any(k.startswith("midlayer.") for k in state) or "d2t" in state:
+        weights, config = eagle_files(Path(path).expanduser())
+        return cls.from_eagle_state(weights, config, read_state(weights), lm)
+
+    @classmethod
+    def from_eagle_state(cls, weights: Path, config: dict | None, state: dict, lm: CausalLM) -> "DraftHead":
+        """``from_eagle`` on a release already read (``eagle_files``, ``read_state``)."""
+        if is_eagle3(state):
             raise HeadCheckpointError(
                 f"{weights} is an EAGLE-3 head (midlayer.*, a draft vocabulary): load it with "
                 "cascade.models.eagle3.Eagle3Head.from_release or open_head (DraftHeadDrafter takes either format)")
@@ -327,6 +340,11 @@ def eagle_files(path: Path) -> tuple[Path, dict | None]:
         raise FileNotFoundError(f"EAGLE head {path} does not exist")
     config = folder / "config.json"
     return weights, json.loads(config.read_text()) if config.is_file() else None
+
+
+def is_eagle3(state: dict) -> bool:
+    """Whether a release's state dict is EAGLE-3's (a ``midlayer``, or a draft vocabulary map)."""
+    return any(k.startswith("midlayer.") for k in state) or "d2t" in state
 
 
 def read_state(weights: Path) -> dict[str, torch.Tensor]:

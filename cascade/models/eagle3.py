@@ -27,20 +27,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from cascade.models.draft_head import (DraftHead, HeadCheckpointError, eagle_files, on_target_kernels, read_state,
-                                       target_facts)
+from cascade.models.draft_head import (DraftHead, HeadCheckpointError, OneLayerHead, eagle_files, is_eagle3,
+                                       read_state, target_facts)
 from cascade.models.layers import decoder_parts, trainable_attention
 from cascade.models.lm import CausalLM
 
 __all__ = ["Eagle3Head", "is_eagle3", "open_head"]
-
-
-def is_eagle3(state: dict) -> bool:
-    """Whether a release's state dict is EAGLE-3's (a ``midlayer``, or a draft vocabulary map)."""
-    return any(k.startswith("midlayer.") for k in state) or "d2t" in state
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -76,7 +70,7 @@ class DraftVocabReadout(nn.Module):
         return out
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(OneLayerHead):
     def __init__(self, fc: nn.Linear, layer: nn.Module, hidden_norm: nn.Module, norm: nn.Module, lm_head: nn.Linear,
                  vocab: torch.Tensor, layers: tuple[int, ...], config, facts: dict) -> None:
         super().__init__()
@@ -88,10 +82,6 @@ class Eagle3Head(nn.Module):
         self.metrics: dict = {}
 
     @property
-    def hidden_size(self) -> int:
-        return int(self.facts["hidden_size"])
-
-    @property
     def feature_size(self) -> int:
         """Width of the target features the loop hands over: three layers' states."""
         return len(self.layers) * self.hidden_size
@@ -100,16 +90,9 @@ class Eagle3Head(nn.Module):
     def hidden_layer(self) -> tuple[int, ...]:
         return self.layers
 
-    # ---- cache ------------------------------------------------------------------------------
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
-
-    cache_len = staticmethod(CausalLM.cache_len)
-    crop = staticmethod(CausalLM.crop)
-
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, lm: CausalLM, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                cache: DynamicCache | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """features: [n, 3H] (the target's three layers: fused by ``fc``) or [n, H] (the head's own
         previous outputs, fed as they are), tokens: [n] (x_{t+1}), positions: [n] -> the head's
         states [n, H] (before its final norm: what it feeds back)."""
@@ -148,14 +131,6 @@ class Eagle3Head(nn.Module):
             detail = ", ".join(f"{k} {mine!r} != {theirs!r}" for k, (mine, theirs) in wrong.items())
             raise HeadCheckpointError(f"EAGLE-3 head was loaded for another target ({detail})")
 
-    def for_inference(self, lm: CausalLM) -> "Eagle3Head":
-        """The target's device and dtype, eval mode, and the target's fp16-weight kernel where its
-        LM head runs on one (``on_target_kernels``)."""
-        self.check_target(lm)
-        self.to(lm.device, lm.dtype).eval()
-        on_target_kernels(self, lm)
-        return self
-
     # ---- releases -------------------------------------------------------------------------------
     @classmethod
     def from_release(cls, path: str | Path, lm: CausalLM) -> "Eagle3Head":
@@ -167,7 +142,11 @@ class Eagle3Head(nn.Module):
         ``t2d`` / ``embed_tokens.weight`` (checked). Refuses weights or a config that do not fit
         ``lm``, naming each difference."""
         weights, config = eagle_files(Path(path).expanduser())
-        state = read_state(weights)
+        return cls.from_release_state(weights, config, read_state(weights), lm)
+
+    @classmethod
+    def from_release_state(cls, weights: Path, config: dict | None, state: dict, lm: CausalLM) -> "Eagle3Head":
+        """``from_release`` on a release already read (``eagle_files``, ``read_state``)."""
         if not is_eagle3(state):
             raise HeadCheckpointError(f"{weights} is not an EAGLE-3 head (no midlayer.*): DraftHead.from_eagle reads EAGLE-1/2")
         parts = decoder_parts(lm)
@@ -267,8 +246,8 @@ def open_head(path: str | Path, lm: CausalLM) -> DraftHead | Eagle3Head:
     file)."""
     path = Path(path).expanduser()
     if path.is_dir() or path.suffix in (".bin", ".safetensors") or path.name.startswith("pytorch_model"):
-        weights, _ = eagle_files(path)
-        if is_eagle3(read_state(weights)):
-            return Eagle3Head.from_release(path, lm)
-        return DraftHead.from_eagle(path, lm)
+        weights, config = eagle_files(path)
+        state = read_state(weights)  # read once: its keys tell the format
+        loader = Eagle3Head.from_release_state if is_eagle3(state) else DraftHead.from_eagle_state
+        return loader(weights, config, state, lm)
     return DraftHead.load(path, lm)
