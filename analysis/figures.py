@@ -173,15 +173,15 @@ def speedup_by_category(speedups: dict[str, list[float]], categories: list[str],
 
 
 def tree_trajectories(steps: list[dict], title: str, out_dir, name: str = "tree_trajectories"):
-    """steps: per step {"nodes", "estimates": {"alpha": {key: {"mean"}}, "forward_curve_s": {drafter:
+    """steps: per step {"nodes", "estimates": {"alpha": {drafter: {key: {"mean"}}}, "forward_curve_s": {drafter:
     {width: seconds}} (an LM drafter's forwards), "drafter_cost_s": {drafter: s} (a forward-free
     drafter's proposal), "verify_curve_s": {inputs: seconds}}}, in order (one generation or several
     back to back). ĉ is drawn for a one-node forward, in target steps."""
     fig, axes = plt.subplots(3, 1, figsize=(7, 7.5), sharex=True)
     x = np.arange(len(steps))
-    keys = sorted({k for s in steps for k in s["estimates"]["alpha"] if k.endswith("|depth1")})
-    for k in keys:
-        axes[0].plot(x, [s["estimates"]["alpha"].get(k, {}).get("mean", np.nan) for s in steps], label=k.split("|")[0])
+    depth1 = sorted({d for s in steps for d, keys in s["estimates"]["alpha"].items() if "depth1" in keys})
+    for d in depth1:
+        axes[0].plot(x, [s["estimates"]["alpha"].get(d, {}).get("depth1", {}).get("mean", np.nan) for s in steps], label=d)
     axes[0].set_ylabel("α̂ at depth 1 (posterior mean)")
     axes[0].set_ylim(0, 1.02)
     axes[0].legend(fontsize=7)

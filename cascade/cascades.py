@@ -29,7 +29,7 @@ import torch
 from cascade.drafters.base import Drafter, shared_hidden_layer
 from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM, HiddenLayers
-from cascade.sampling import logits_to_probs
+from cascade.sampling import logits_to_probs, one_hot_rows
 from cascade.types import CascadeStats, DraftBlock, DrafterInfo, LevelStats, SamplingConfig, Scored, Segment, VerifyResult
 from cascade.verify import EXACT, Verifier, verifier_named
 
@@ -228,5 +228,5 @@ def _stack_q(segments: list[DraftBlock]) -> torch.Tensor | None:
         if b.q is not None:
             rows.append(b.q.to(ref.device, ref.dtype))
         elif b.k:
-            rows.append(torch.nn.functional.one_hot(b.tokens.to(ref.device), ref.shape[-1]).to(ref.dtype))
+            rows.append(one_hot_rows(b.tokens, ref))
     return torch.cat(rows)  # [k, V]

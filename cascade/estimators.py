@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cascade.types import AlphaEstimate
+
 
 @dataclass
 class Acceptance:
@@ -79,9 +81,13 @@ class AcceptanceTable:
     def update(self, drafter: str, key: str, accepted: bool, prior: tuple[float, float] | None = None) -> None:
         self.get(drafter, key, prior).update(accepted)
 
-    def snapshot(self) -> dict:
-        return {f"{d}|{k}": {"mean": round(e.mean, 4), "ema": None if e.ema is None else round(e.ema, 4), "n": e.n}
-                for (d, k), e in sorted(self.table.items()) if e.n}
+    def snapshot(self) -> dict[str, dict[str, AlphaEstimate]]:
+        """drafter -> key -> α̂ of every (drafter, key) observed at least once."""
+        out: dict[str, dict[str, AlphaEstimate]] = {}
+        for (d, k), e in sorted(self.table.items()):
+            if e.n:
+                out.setdefault(d, {})[k] = AlphaEstimate(round(e.mean, 4), None if e.ema is None else round(e.ema, 4), e.n)
+        return out
 
 
 class CostCurve:

@@ -8,7 +8,8 @@
    return_hidden=FINAL_HIDDEN)``, the forward the decode loop runs, so the features are the ones
    a drafter is handed), written one file per chunk into a directory with a manifest (target,
    sources, sha256 of the chunks, token count): resumable, and reused by any later training on
-   the same target and chunks.
+   the same target and chunks; a larger corpus whose chunks include a smaller one's copies the
+   smaller one's files (``reuse_dirs``) instead of recomputing them.
 3. ``unroll`` / ``chunk_loss``: EAGLE's training with EAGLE-3's "training-time test". Step 1 feeds
    the target's features f_t with tokens x_{t+1}; step s feeds step s-1's predicted features
    (the head's own, as when drafting s tokens deep), and its queries see exactly what a draft at
@@ -113,13 +114,32 @@ def target_features(lm: CausalLM, tokens: list[int]) -> torch.Tensor:
     return feats.clone()
 
 
+def _chunk_key(ids: list[int]) -> str:
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
+def _captured_chunks(dirs: list[Path], target: str) -> dict[str, Path]:
+    """Chunk files of ``target``'s earlier captures in ``dirs``, by the sha256 of their tokens."""
+    found = {}
+    for d in dirs:
+        manifest = d / "manifest.json"
+        if not manifest.is_file() or json.loads(manifest.read_text()).get("target") != target:
+            continue
+        for f in sorted(d.glob("chunk_*.pt")):
+            found.setdefault(_chunk_key(torch.load(f, weights_only=True)["tokens"].tolist()), f)
+    return found
+
+
 def capture_features(lm: CausalLM, chunks: list[list[int]], sources: dict[str, float], seq_len: int, out_dir: Path,
-                     progress: bool = True, storage: torch.dtype = torch.float32) -> list[Chunk]:
+                     progress: bool = True, storage: torch.dtype = torch.float32,
+                     reuse_dirs: list[Path] = ()) -> list[Chunk]:
     """Features of every chunk, cached in ``out_dir`` (one file per chunk, written atomically; a
     rerun computes only the missing ones). Refuses a directory whose manifest names other chunks
     or another target. ``storage``: the dtype features are written and held in (float16 halves
     disk and memory; a file written in another dtype is rounded to it on load, which equals what
-    a fresh capture in ``storage`` writes, so a cache made in float32 serves every storage)."""
+    a fresh capture in ``storage`` writes, so a cache made in float32 serves every storage).
+    ``reuse_dirs``: earlier captures of the same target (other corpora); a chunk with the same
+    tokens there is copied, not recomputed (features depend only on the target and the tokens)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = FeatureManifest(FEATURES_FORMAT, lm.name, dict(sources), seq_len, len(chunks),
                                sum(map(len, chunks)), chunks_sha256(chunks))
@@ -129,19 +149,28 @@ def capture_features(lm: CausalLM, chunks: list[list[int]], sources: dict[str, f
         if (old.get("target"), old.get("sha256")) != (manifest.target, manifest.sha256):
             raise ValueError(f"{out_dir} holds features of another target or corpus ({old.get('target')}, {old.get('sha256')})")
     path.write_text(json.dumps(asdict(manifest), indent=1))
-    out = []
+    out, earlier, reused = [], None, 0
     bar = tqdm(total=manifest.tokens, desc="target features", unit="tok", disable=not progress)
     for i, ids in enumerate(chunks):
         f = out_dir / f"chunk_{i:05d}.pt"
         saved = torch.load(f, weights_only=True) if f.is_file() else None
         if saved is None or saved["tokens"].tolist() != ids:
-            saved = {"tokens": torch.tensor(ids), "features": target_features(lm, ids).cpu().to(storage)}
+            if earlier is None:  # indexed once, at the first chunk this directory lacks
+                earlier = _captured_chunks([d for d in reuse_dirs if Path(d).resolve() != out_dir.resolve()], lm.name)
+            source = earlier.get(_chunk_key(ids))
+            if source is not None:
+                saved = torch.load(source, weights_only=True)
+                reused += 1
+            else:
+                saved = {"tokens": torch.tensor(ids), "features": target_features(lm, ids).cpu().to(storage)}
             tmp = f.with_name(f.name + f".tmp{os.getpid()}")
             torch.save(saved, tmp)
             os.replace(tmp, f)
         out.append(Chunk(saved["tokens"], saved["features"].to(storage)))
         bar.update(len(ids))
     bar.close()
+    if reused:
+        print(f"features: {reused} of {len(chunks)} chunks copied from earlier captures", flush=True)
     return out
 
 

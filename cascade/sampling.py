@@ -35,6 +35,13 @@ def _as_float(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
+def one_hot_rows(tokens, like: torch.Tensor) -> torch.Tensor:
+    """[n, V] the distribution a deterministic draft was drawn from: one-hot on each of ``tokens``
+    ([n] ids, a list or tensor), in ``like``'s dtype and device (``like``: [..., V])."""
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=like.device).reshape(-1)
+    return torch.nn.functional.one_hot(ids, like.shape[-1]).to(like.dtype)
+
+
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Processed probabilities.
 

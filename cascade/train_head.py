@@ -171,10 +171,11 @@ def train(cfg: DictConfig) -> dict:
     token_chunks = corpus_chunks(lm, sources, t.seq_len, t.max_tokens, cfg.seed)
     if len(token_chunks) < 2:
         raise ConfigError(f"only {len(token_chunks)} chunk(s) of text: raise train.max_tokens")
-    features_dir = Path(t.features_dir or cache_root() / "head_features").expanduser()
-    features_dir = features_dir / f"{lm.name.replace('/', '_')}-{chunks_sha256(token_chunks)[:16]}"
+    features_root = Path(t.features_dir or cache_root() / "head_features").expanduser()
+    prefix = lm.name.replace('/', '_')
+    features_dir = features_root / f"{prefix}-{chunks_sha256(token_chunks)[:16]}"
     chunks = capture_features(lm, token_chunks, sources, t.seq_len, features_dir, cfg.progress,
-                              FEATURE_STORAGE[t.feature_storage])
+                              FEATURE_STORAGE[t.feature_storage], reuse_dirs=sorted(features_root.glob(f"{prefix}-*")))
     feature_s = time.perf_counter() - t0
     n_held = max(1, round(len(chunks) * t.heldout_frac))
     train_chunks, held = chunks[:-n_held], chunks[-n_held:]

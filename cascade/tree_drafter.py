@@ -24,6 +24,7 @@ import torch
 
 from cascade.drafters.base import Drafter, shared_hidden_layer
 from cascade.models.lm import CausalLM, HiddenLayers
+from cascade.sampling import one_hot_rows
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy, TreePolicy
 from cascade.trees.growth import LevelCalls, Node, Tree
 from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, TreeStats, VerifyResult
@@ -107,8 +108,7 @@ class TreeDrafter(Drafter):
         q = None
         if any(n.q is not None for n in nodes):
             ref = next(n.q for n in nodes if n.q is not None)
-            one_hot = lambda t: torch.nn.functional.one_hot(torch.tensor(t), ref.shape[-1]).to(ref)  # noqa: E731
-            q = torch.stack([n.q if n.q is not None else one_hot(n.token) for n in nodes])  # [n, V]
+            q = torch.stack([n.q if n.q is not None else one_hot_rows([n.token], ref)[0] for n in nodes])  # [n, V]
         stats = TreeStats(
             node_drafters=[self.names[n.drafter] for n in nodes],
             expected_accepted=round(sum(n.reach for n in nodes), 4),

@@ -79,6 +79,25 @@ class Segment:
 
 
 @dataclass
+class AlphaEstimate:
+    """One acceptance estimate α̂ of a dynamic tree policy (``cascade.estimators.Acceptance``)."""
+
+    mean: float  # posterior mean
+    ema: float | None  # recent-rate EMA (None before the first observation)
+    n: int  # judged observations
+
+
+@dataclass
+class PolicyEstimates:
+    """What a tree policy acted on at one step (logged per step in ``TreeStats``)."""
+
+    alpha: dict[str, dict[str, AlphaEstimate]] = field(default_factory=dict)  # drafter -> key ("depth1", "rank2", "conf3") -> α̂
+    drafter_cost_s: dict[str, float] = field(default_factory=dict)  # forward-free drafter -> seconds per proposal
+    forward_curve_s: dict[str, dict[int, float]] = field(default_factory=dict)  # LM drafter -> width -> seconds
+    verify_curve_s: dict[int, float] | None = None  # the target's forward: input count -> seconds
+
+
+@dataclass
 class TreeStats:
     """What a tree drafter reports about the tree it grew."""
 
@@ -86,7 +105,7 @@ class TreeStats:
     expected_accepted: float  # the policy's own expectation of accepted nodes (sum of path reaches)
     drafter_forwards: int = 0  # LM drafter forwards spent growing it (at most one per depth and drafter)
     drafter_seconds: dict[str, float] = field(default_factory=dict)  # time of each drafter's calls growing it
-    estimates: dict = field(default_factory=dict)  # the policy's α̂ / cost estimates (logged, JSON)
+    estimates: PolicyEstimates = field(default_factory=PolicyEstimates)  # the policy's α̂ / cost estimates
 
 
 @dataclass

@@ -89,7 +89,7 @@ from typing import Callable
 import torch
 
 from cascade.models.lm import CausalLM, HiddenLayers
-from cascade.sampling import logits_to_probs, sample
+from cascade.sampling import logits_to_probs, one_hot_rows, sample
 from cascade.tree import children_of, depths_of, is_chain, path_to, tree_inputs
 from cascade.types import ACCEPTED, REJECTED, UNJUDGED, DraftBlock, SamplingConfig, VerifyResult
 
@@ -134,12 +134,6 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
 
 
-def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    row = torch.zeros_like(like)
-    row[token] = 1.0
-    return row
-
-
 def accept_sampled(
     tokens: list[int],  # [n]
     parents: list[int],  # [n]
@@ -164,7 +158,7 @@ def accept_sampled(
                 nxt = c
                 break
             judgements[c] = REJECTED
-            q_row = _one_hot(x, residual) if q is None else q[c].to(residual.dtype)
+            q_row = one_hot_rows([x], residual)[0] if q is None else q[c].to(residual.dtype)
             residual = residual_distribution(residual, q_row)
         if nxt is None:
             return VerifyResult(len(path), int(sample(residual, generator)), not kids[j], path, judgements)
@@ -174,7 +168,7 @@ def accept_sampled(
 
 def _q_row(q: torch.Tensor | None, node: int, token: int, like: torch.Tensor) -> torch.Tensor:
     """[V] the distribution ``node`` was drawn from (one-hot on its token when deterministic)."""
-    return _one_hot(token, like) if q is None else q[node].to(like.dtype)
+    return one_hot_rows([token], like)[0] if q is None else q[node].to(like.dtype)
 
 
 def _start_weight(weight: float, law: torch.Tensor, q: torch.Tensor | None, node: int, token: int) -> float:

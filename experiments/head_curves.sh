@@ -9,6 +9,8 @@
 #     30k_e2:      the first 30k tokens x 2 epochs (~320 steps)
 #     15k_e4_bf16: 15k_e4 with bf16 autocast training steps (throughput and agreement against fp32)
 #     57k_e3_bf16: 57k_e3 with bf16 autocast training steps
+#     114k_e4_bf16: a 120k-token corpus (its first ~57k tokens' features copied from the 60k
+#                  capture), 4 epochs (~2,600 steps), bf16 steps on float16 features (the defaults)
 # fp32 runs use fp32 features too (the arithmetic of the one-epoch baseline in
 # results/train_head/summary_normed.json), whatever the defaults.
 # Usage: bash experiments/head_curves.sh [NAME ...]   (default: 57k_e3 15k_e4 15k_e4_bf16)
@@ -23,6 +25,7 @@ declare -A ARGS=(
   [30k_e2]="train.train_tokens=30000 train.epochs=2 $fp32"
   [15k_e4_bf16]="train.train_tokens=15000 train.epochs=4 train.precision=bf16 train.feature_storage=float32"
   [57k_e3_bf16]="train.epochs=3 train.precision=bf16 train.feature_storage=float32"
+  [114k_e4_bf16]="train.max_tokens=120000 train.epochs=4 train.precision=bf16"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(57k_e3 15k_e4 15k_e4_bf16)
 for name in "${names[@]}"; do

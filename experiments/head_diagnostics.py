@@ -5,6 +5,7 @@ steps, or defective?
     python experiments/head_diagnostics.py overfit --tokens 2000 --fusion normed --epochs 30
     python experiments/head_diagnostics.py overfit --tokens 2000 --fusion concat --epochs 30
     python experiments/head_diagnostics.py inputs --head PATH            # what the head reads: ablations, fc halves
+    python experiments/head_diagnostics.py decoding --dataset humaneval --prompts 8   # decoding vs teacher-forced
 
 ``alignment``: for real prompts, the (feature, next token, target feature, target distribution)
 tuples the training path builds (``head_training.target_features`` on the loaded backend, the
@@ -23,6 +24,15 @@ data or steps.
 ``overfit`` does; ``--held`` the last few) as it is, with the embedding half of ``fc``'s input
 zeroed and with the feature half zeroed, and the RMS of each half's contribution to ``fc``'s
 output (does the head use the token it predicts after?).
+
+``decoding``: where the head's acceptance in decoding and its held-out agreement part. For each
+prompt, a greedy chain of one head token (``cascade.generate``, the loaded backend) gives the
+decode-time depth-1 hits (draft == the target's argmax at the root); then the same prompt +
+output is run teacher-forced (its features in one target forward, the head unrolled once over
+the whole text, as ``agreement`` does on training chunks) and its depth-1 agreement is split by
+region (prompt / output) and by head position (below / from ``--seq-len``, the training chunks'
+length: positions the head never saw in training). Equal decode-time and teacher-forced rates
+on the output clear the decode path; a drop past ``--seq-len`` points at position coverage.
 """
 
 from __future__ import annotations
@@ -163,9 +173,54 @@ def inputs(args) -> None:
           f"(inputs' RMS: feature {rms(f):.3f}, embedding {rms(e):.4f})")
 
 
+def decoding(args) -> None:
+    from cascade import generate
+    from cascade.data import encode, load_prompts
+    from cascade.drafters import DraftHeadDrafter
+    from cascade.head_training import unroll
+
+    lm = load_model(args.target)
+    head = DraftHead.open(args.head, lm)  # teacher-forced, as training evaluates it (fp32 weights)
+    vocab, rows = head.vocab, _rows(lm, head.vocab)
+    head.eval()
+    target_head = decoder_parts(lm).head
+    # (hits, count) per bucket: decode-time depth 1; teacher-forced by region and head position
+    tally = {k: [0, 0] for k in ("decode", "tf_output", "tf_prompt", f"tf_pos<{args.seq_len}", f"tf_pos>={args.seq_len}")}
+    print(f"{args.head} on {lm.name} ({lm.dtype}), {args.dataset}: {args.prompts} prompts, {args.max_new} new tokens each")
+    for p in load_prompts(args.dataset, args.prompts):
+        ids = encode(lm, p, args.chat)
+        drafter = DraftHeadDrafter(str(args.head), k=1, sample=False)  # its own copy, on the target's kernels
+        out = generate(lm, ids, drafter=drafter, max_new_tokens=args.max_new)
+        rounds = [s for s in out.steps if s.drafted >= 1]
+        d_hits = sum(s.draft_tokens[0] == s.target_argmax[0] for s in rounds)
+        tally["decode"][0] += d_hits
+        tally["decode"][1] += len(rounds)
+        text = ids + out.tokens
+        with torch.no_grad():
+            feats = target_features(lm, text)  # [T, H]
+            chunk = Chunk(torch.tensor(text), feats.to(torch.float32))
+            pred = unroll(head, lm, chunk, 1)[0]  # [T-1, H]: row u predicts f_{u+1}
+            got = (pred.float() @ rows.T).argmax(-1)
+            got = vocab[got] if vocab is not None else got
+            want = target_head(feats.to(lm.dtype)).argmax(-1)[1:]  # [T-1] the target's token after x_{u+1}
+        hit = got == want
+        u = torch.arange(hit.numel())
+        predicts = u + 2  # index in text of the token row u predicts
+        for name, sel in (("tf_output", predicts >= len(ids)), ("tf_prompt", predicts < len(ids)),
+                          (f"tf_pos<{args.seq_len}", u < args.seq_len), (f"tf_pos>={args.seq_len}", u >= args.seq_len)):
+            tally[name][0] += int(hit[sel].sum())
+            tally[name][1] += int(sel.sum())
+        tf_out = hit[predicts >= len(ids)].float().mean()
+        print(f"  {p.id}: prompt {len(ids)} + {len(out.tokens)} tokens; decode-time depth-1 {d_hits}/{len(rounds)}; "
+              f"teacher-forced on the output {float(tf_out):.3f}, on the prompt {float(hit[predicts < len(ids)].float().mean()):.3f}")
+    print("totals (hits / count = rate):")
+    for name, (h, n) in tally.items():
+        print(f"  {name:14s} {h:5d} / {n:5d} = {h / max(n, 1):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["alignment", "overfit", "inputs"])
+    ap.add_argument("command", choices=["alignment", "overfit", "inputs", "decoding"])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--prompts", type=int, default=3, help="alignment: HumanEval texts (prompt + solution)")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -182,12 +237,15 @@ def main() -> None:
     ap.add_argument("--feature-weight", type=float, default=1.0)
     ap.add_argument("--head", type=Path)
     ap.add_argument("--save", type=Path)
+    ap.add_argument("--dataset", default="humaneval", help="decoding: prompt set (cascade.data.load_prompts)")
+    ap.add_argument("--chat", action="store_true", help="decoding: wrap prompts without their own setting in the chat template")
+    ap.add_argument("--max-new", type=int, default=64, help="decoding: new tokens per prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
-    {"alignment": alignment, "overfit": overfit, "inputs": inputs}[args.command](args)
+    {"alignment": alignment, "overfit": overfit, "inputs": inputs, "decoding": decoding}[args.command](args)
 
 
 if __name__ == "__main__":

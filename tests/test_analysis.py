@@ -93,7 +93,7 @@ def test_each_figure_writes_an_image_with_its_axes(tmp_path):
     fig, paths = figures.speedup_bars({"ar": 1.0, "sps": 1.3, "tree": 1.6}, "t", tmp_path)
     _check_image(paths)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["autoregressive", "sps", "tree"]
-    steps = [{"nodes": n, "accepted": 1, "estimates": {"alpha": {"0:lm|depth1": {"mean": 0.5 + 0.01 * n}},
+    steps = [{"nodes": n, "accepted": 1, "estimates": {"alpha": {"0:lm": {"depth1": {"mean": 0.5 + 0.01 * n}}},
                                                       "forward_curve_s": {"0:lm": {"1": 0.012, "3": 0.016}},
                                                       "drafter_cost_s": {"1:ngram": 1e-4}, "verify_curve_s": {"1": 0.11, "4": 0.14}}}
              for n in (3, 5, 8)]
@@ -101,6 +101,7 @@ def test_each_figure_writes_an_image_with_its_axes(tmp_path):
     _check_image(paths)
     assert [a.get_ylabel().split(" ")[0] for a in fig.axes] == ["α̂", "ĉ", "nodes"]
     assert len(fig.axes[1].lines) == 2  # the LM drafter's forward and the lookup
+    assert [l.get_label() for l in fig.axes[0].lines] == ["0:lm"]  # α̂ at depth 1, per drafter
 
 
 def test_plot_ewif_on_a_sweep(sweep, tmp_path, capsys):

@@ -249,6 +249,37 @@ def test_features_stored_in_16_bits_round_on_load(tmp_path, tiny_target):
     assert saved.dtype == torch.float16
 
 
+def test_capture_copies_chunks_of_earlier_captures(tmp_path, tiny_target, monkeypatch):
+    """A larger corpus whose chunks include a smaller capture's copies those files (computing
+    only the new chunks) and gets exactly a fresh capture's features; a capture of another
+    target is never a source."""
+    import json
+
+    from cascade import head_training
+
+    small = [list(range(5, 25)), list(range(31, 19, -1))]
+    large = [small[1], list(range(2, 18)), small[0]]  # another order, one new chunk
+    head_training.capture_features(tiny_target, small, {"x": 1.0}, 32, tmp_path / "small", progress=False)
+    other = tmp_path / "other"  # the same tokens captured for another target: must not be used
+    head_training.capture_features(tiny_target, small, {"x": 1.0}, 32, other, progress=False)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "target": "another"}))
+    computed = []
+    real = head_training.target_features
+    monkeypatch.setattr(head_training, "target_features", lambda lm, ids: computed.append(ids) or real(lm, ids))
+    got = head_training.capture_features(tiny_target, large, {"x": 1.0}, 32, tmp_path / "large", progress=False,
+                                         reuse_dirs=[other, tmp_path / "small"])
+    assert computed == [large[1]]
+    fresh = head_training.capture_features(tiny_target, large, {"x": 1.0}, 32, tmp_path / "fresh", progress=False)
+    assert len(computed) == 4  # the fresh capture computed all three
+    for g, f in zip(got, fresh):
+        assert g.tokens.tolist() == f.tokens.tolist() and torch.equal(g.features, f.features)
+    computed.clear()
+    head_training.capture_features(tiny_target, large, {"x": 1.0}, 32, tmp_path / "none", progress=False,
+                                   reuse_dirs=[other])  # only another target's capture: everything computed
+    assert len(computed) == 3
+
+
 def test_bf16_training_steps_run_in_bf16_with_fp32_losses():
     """Under the bf16 autocast that train.precision=bf16 turns on, the head's matmuls run in bf16
     while the loss (softmaxes, regression) and the parameters' gradients stay fp32."""

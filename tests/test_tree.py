@@ -177,7 +177,8 @@ def test_dynamic_policy_logs_estimates_and_learns(tiny_target, tiny_close_drafte
     logged = [s.tree for s in out.steps if s.tree is not None]  # the last step has no budget to draft
     assert len(logged) >= len(out.steps) - 1
     est = logged[-1].estimates
-    assert est["verify_curve_s"] and est["forward_curve_s"]
+    assert est.verify_curve_s and est.forward_curve_s
+    assert est.alpha[drafter.names[0]]["depth1"].n >= 1  # keyed by drafter, then depth
     close = drafter.policy.acceptance.table.mean(drafter.names[0], "depth1")
     far = drafter.policy.acceptance.table.mean(drafter.names[1], "depth1")
     assert close > far

@@ -13,7 +13,7 @@ import bisect
 
 from cascade.estimators import AcceptanceTable
 from cascade.trees.growth import Node
-from cascade.types import ACCEPTED, REJECTED
+from cascade.types import ACCEPTED, REJECTED, AlphaEstimate
 
 # confidence buckets of a deterministic child (the drafter's probability of its token)
 CONF_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.85, 0.95)
@@ -94,5 +94,5 @@ class NodeAcceptance:
                 b = conf_bucket(node.conf)
                 self.table.update(name, f"conf{b}", ok, prior=_conf_prior(b))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, dict[str, AlphaEstimate]]:
         return self.table.snapshot()

@@ -29,12 +29,13 @@ sampled child's from its depth and sibling rank, decided before it is drawn.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cascade.estimators import CostCurve, DrafterCost
 from cascade.models.lm import CausalLM
 from cascade.trees.growth import LevelCalls, Tree
 from cascade.trees.policy import TreePolicy
+from cascade.types import PolicyEstimates
 
 
 class CallPrices:
@@ -97,7 +98,8 @@ class CallPrices:
         return self.policy.prior_lookup_cost if step is None or s is None else s / step
 
     def snapshot(self) -> dict:
-        """Seconds: forward-free proposals, LM drafters' forwards by width, the target's by input count."""
+        """Seconds (``PolicyEstimates``' cost fields): forward-free proposals, LM drafters'
+        forwards by width, the target's by input count."""
         return {
             "drafter_cost_s": {k: round(v, 6) for k, v in self.lookup_seconds.seconds.items()},
             "forward_curve_s": {k: c.snapshot() for k, c in self.forward_seconds.items() if c.sizes},
@@ -157,8 +159,8 @@ class DynamicTreePolicy(TreePolicy):
         if verify_time_s is not None:
             self.prices.verify_seconds.update(len(nodes) + 1, verify_time_s)
 
-    def estimates(self) -> dict:
-        return {**super().estimates(), **self.prices.snapshot()}
+    def estimates(self) -> PolicyEstimates:
+        return replace(super().estimates(), **self.prices.snapshot())
 
     def grow(self, tree: Tree, calls: LevelCalls, budget: int) -> list[int]:
         self.steps += 1

@@ -8,7 +8,7 @@ describe the models, not a prompt):
 ``grow(tree, calls, budget)``   grow ``tree`` through ``calls``; return the nodes to verify
                              (closed under ancestors, increasing), never deeper than ``budget``
 ``observe(nodes, result, verify_time_s)``   the verified nodes' judgements and the forward's time
-``estimates()``              what it acted on, logged per step (JSON)
+``estimates()``              what it acted on (``PolicyEstimates``), logged per step
 ``budget``, ``kind``         most nodes per tree; a short name ("static", "reranked", "dytc")
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from cascade.models.lm import CausalLM
 from cascade.trees.acceptance import NodeAcceptance
 from cascade.trees.growth import LevelCalls, Node, Tree
-from cascade.types import VerifyResult
+from cascade.types import PolicyEstimates, VerifyResult
 
 
 class TreePolicy:
@@ -42,8 +42,8 @@ class TreePolicy:
     def observe(self, nodes: list[Node], result: VerifyResult, verify_time_s: float | None) -> None:
         self.acceptance.observe(nodes, result.judgements)
 
-    def estimates(self) -> dict:
-        return {"alpha": self.acceptance.snapshot()}
+    def estimates(self) -> PolicyEstimates:
+        return PolicyEstimates(alpha=self.acceptance.snapshot())
 
     @property
     def budget(self) -> int:
