@@ -9,8 +9,9 @@ P before ``propose``/``score`` returns, so the target's verification finds its c
 it. P is read from the last layer, which drafting never touches (hence ``exit_layer`` must be
 below the number of layers).
 
-With ``adapter`` (an ``ExitAdapter``, Kangaroo), the exit's hidden states go through one extra
-attention layer and norm before the LM head. The adapter's own small KV cache needs the exit
+What turns the exit's hidden states into logits is a strategy object: ``PlainExit`` (the
+target's final norm and LM head) or, with ``adapter`` (an ``ExitAdapter``, Kangaroo),
+``AdapterExit``: one extra attention layer and norm before the LM head. The adapter's own small KV cache needs the exit
 hidden states of every committed position; the drafter asks the decode loop for them
 (``hidden_layer``), which reads them from the target's own forwards (``CausalLM.forward(...,
 return_hidden=exit_layer)``): the prompt's at prefill, the committed path's after each
@@ -29,6 +30,98 @@ from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import crop_layers, decoder_parts, head_logits, layer_lengths, run_layers
 from cascade.models.lm import CausalLM
 from cascade.types import SamplingConfig, Scored
+
+
+class PlainExit:
+    """The target's final norm and LM head on the exit's hidden states (plain layer skip)."""
+
+    kind = "layer_skip"
+    hidden_layer = None  # reads nothing from the target's forwards
+    adapter = None
+
+    def bind(self, target: CausalLM, exit_layer: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def prefill(self, hidden: torch.Tensor | None) -> None:
+        pass
+
+    def keep(self, hidden: torch.Tensor | None) -> None:
+        pass
+
+    def sync(self, model: CausalLM, committed: int, name: str) -> None:
+        pass
+
+    def logits(self, model: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, last: int | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[n or last, V] logits of the exit's hidden states [n, H] (only the ``last`` rows' when given)."""
+        return head_logits(model, hidden if last is None else hidden[-last:])
+
+    def crop(self, committed: int) -> None:
+        pass
+
+
+class AdapterExit:
+    """Kangaroo: an ``ExitAdapter`` (its own KV cache over the exit hidden states of every
+    committed position, handed over by the decode loop) between the exit and the LM head."""
+
+    kind = "kangaroo"
+
+    def __init__(self, spec: ExitAdapter | str, exit_layer: int) -> None:
+        """spec: an ``ExitAdapter``, a checkpoint path (``python -m cascade.train_adapter``) or
+        "init" (untrained, built from the target's layer ``exit_layer`` when bound)."""
+        self.spec = spec
+        self.hidden_layer = exit_layer  # the target's states after exit_layer layers
+        self.adapter: ExitAdapter | None = spec if isinstance(spec, ExitAdapter) else None
+        self.reset()
+
+    def bind(self, target: CausalLM, exit_layer: int) -> None:
+        if self.spec == "init":
+            self.adapter = ExitAdapter.from_target(target, exit_layer)
+        elif isinstance(self.spec, str):
+            self.adapter = ExitAdapter.load(self.spec, target)
+        self.adapter.check_target(target, exit_layer)
+        self.reset()
+
+    def reset(self) -> None:
+        self._hidden: torch.Tensor | None = None  # [T, H] exit hidden states of the committed positions 0..T-1
+        self._cache = self.adapter.new_cache() if self.adapter is not None else None
+
+    def prefill(self, hidden: torch.Tensor | None) -> None:
+        """The prompt's exit hidden states ([len(prompt) - 1, H])."""
+        self._hidden = hidden
+
+    def keep(self, hidden: torch.Tensor | None) -> None:
+        """Append the exit hidden states of positions just committed ([m, H])."""
+        if hidden is not None:
+            self._hidden = hidden if self._hidden is None else torch.cat([self._hidden, hidden])
+
+    def sync(self, model: CausalLM, committed: int, name: str) -> None:
+        """Bring the adapter's cache to the ``committed`` positions (target states only)."""
+        done = self.adapter.cache_len(self._cache)
+        if done > committed:
+            self.adapter.crop(self._cache, committed)
+        elif done < committed:
+            have = 0 if self._hidden is None else self._hidden.shape[0]
+            if have < committed:
+                raise RuntimeError(
+                    f"{name} has the target's exit hidden states of {have} of {committed} committed positions: "
+                    "a Kangaroo adapter must draft directly for the target (alone, in a tree or a horizontal "
+                    "schedule), not as the lower level of a vertical cascade"
+                )
+            self.adapter.extend(model, self._hidden[done:committed], torch.arange(done, committed), self._cache)
+
+    def logits(self, model: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, last: int | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The adapter sees every row (its cache grows with them); logits of the ``last`` rows."""
+        out = self.adapter.logits(model, hidden, positions, self._cache, attention_mask=mask)
+        return out if last is None else out[-last:]
+
+    def crop(self, committed: int) -> None:
+        if self.adapter.cache_len(self._cache) > committed:
+            self.adapter.crop(self._cache, committed)
 
 
 class LayerSkipDrafter(LMDrafter):
@@ -50,30 +143,28 @@ class LayerSkipDrafter(LMDrafter):
         if not isinstance(exit_layer, int) or exit_layer < 1:
             raise ValueError(f"exit_layer must be a positive integer, got {exit_layer!r}")
         self.exit_layer = exit_layer
-        self._adapter_spec = adapter
-        self.adapter: ExitAdapter | None = adapter if isinstance(adapter, ExitAdapter) else None
-        self.kind = "kangaroo" if adapter is not None else "layer_skip"
+        self.exit: PlainExit | AdapterExit = PlainExit() if adapter is None else AdapterExit(adapter, exit_layer)
+        self.kind = self.exit.kind
         self.name = name or f"{self.kind}(exit={exit_layer})"
         self.model: CausalLM | None = None
         self.cache = None
         self.reset(SamplingConfig(), None)
 
     @property
+    def adapter(self) -> ExitAdapter | None:
+        return self.exit.adapter
+
+    @property
     def hidden_layer(self) -> int | None:
-        """The adapter reads the target's hidden states after ``exit_layer`` layers."""
-        return self.exit_layer if self._adapter_spec is not None else None
+        """An adapter reads the target's hidden states after ``exit_layer`` layers."""
+        return self.exit.hidden_layer
 
     # ---- binding to the target ----------------------------------------------------------
     def check_compatible(self, target: CausalLM) -> None:
         n = decoder_parts(target).num_layers
         if self.exit_layer >= n:
             raise ValueError(f"exit_layer {self.exit_layer} must be below the target's {n} layers ({target.name!r})")
-        if self._adapter_spec == "init":  # untrained, initialised from the target's next layer
-            self.adapter = ExitAdapter.from_target(target, self.exit_layer)
-        elif isinstance(self._adapter_spec, str):  # a checkpoint path: load it for this target
-            self.adapter = ExitAdapter.load(self._adapter_spec, target)
-        if self.adapter is not None:
-            self.adapter.check_target(target, self.exit_layer)
+        self.exit.bind(target, self.exit_layer)
         self.model = target
 
     def bind(self, target: CausalLM, cache) -> None:
@@ -83,21 +174,18 @@ class LayerSkipDrafter(LMDrafter):
 
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
-        self._hidden = None  # [T, H] exit hidden states of the committed positions 0..T-1 (adapter only)
-        self._adapter_cache = self.adapter.new_cache() if self.adapter is not None else None
+        self.exit.reset()
         self._committed_len: int | None = None  # cache length when the current draft started
 
     def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
         """Nothing to compute: the target's prefill filled the shared cache. An adapter keeps the
         prompt's exit hidden states (``hidden``: [len(prompt) - 1, H])."""
-        if self.adapter is not None:
-            self._hidden = hidden
+        self.exit.prefill(hidden)
 
     def observe(self, context: list[int], result, verify_time_s: float | None = None,
                 hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
         super().observe(context, result, verify_time_s, hidden, scored)
-        if self.adapter is not None and hidden is not None:  # [m, H] the positions just committed
-            self._hidden = hidden if self._hidden is None else torch.cat([self._hidden, hidden])
+        self.exit.keep(hidden)  # [m, H] the positions just committed (adapter only)
 
     def sync(self, context: list[int]) -> int:
         return self._committed()  # the cache is always left at the committed prefix
@@ -105,20 +193,6 @@ class LayerSkipDrafter(LMDrafter):
     # ---- drafting ------------------------------------------------------------------------
     def _committed(self) -> int:
         return layer_lengths(self.cache)[-1] if len(self.cache.layers) else 0
-
-    def _sync_adapter(self, committed: int) -> None:
-        done = self.adapter.cache_len(self._adapter_cache)
-        if done > committed:
-            self.adapter.crop(self._adapter_cache, committed)
-        elif done < committed:
-            have = 0 if self._hidden is None else self._hidden.shape[0]
-            if have < committed:
-                raise RuntimeError(
-                    f"{self.name} has the target's exit hidden states of {have} of {committed} committed positions: "
-                    "a Kangaroo adapter must draft directly for the target (alone, in a tree or a horizontal "
-                    "schedule), not as the lower level of a vertical cascade"
-                )
-            self.adapter.extend(self.model, self._hidden[done:committed], torch.arange(done, committed), self._adapter_cache)
 
     def _run(self, context: list[int], extra: list[int] | tuple) -> torch.Tensor:
         """Logits after ``context`` and each token of ``extra`` [len(extra) + 1, V]; leaves the
@@ -129,15 +203,10 @@ class LayerSkipDrafter(LMDrafter):
         self._committed_len = p = self._committed()
         if len(context) <= p:
             raise ValueError(f"context ({len(context)} tokens) must extend the committed prefix ({p} positions)")
-        if self.adapter is not None:
-            self._sync_adapter(p)
+        self.exit.sync(self.model, p, self.name)
         new = context[p:] + list(extra)
         hidden = run_layers(self.model, new, self.cache, self.exit_layer)  # [len(new), H]
-        keep = len(extra) + 1
-        if self.adapter is None:
-            return head_logits(self.model, hidden[-keep:])
-        # the adapter sees every new position: its own cache grows with them
-        return self.adapter.logits(self.model, hidden, torch.arange(p, p + len(new)), self._adapter_cache)[-keep:]
+        return self.exit.logits(self.model, hidden, torch.arange(p, p + len(new)), last=len(extra) + 1)
 
     def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
         try:
@@ -151,23 +220,18 @@ class LayerSkipDrafter(LMDrafter):
     def _continue(self, token: int) -> torch.Tensor:
         position = torch.tensor([layer_lengths(self.cache)[0]])
         hidden = run_layers(self.model, [token], self.cache, self.exit_layer)  # [1, H]
-        if self.adapter is None:
-            return head_logits(self.model, hidden)[-1]
-        return self.adapter.logits(self.model, hidden, position, self._adapter_cache)[-1]
+        return self.exit.logits(self.model, hidden, position)[-1]
 
     def _forward_nodes(self, tokens: list[int], positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         hidden = run_layers(self.model, tokens, self.cache, self.exit_layer, position_ids=positions, attention_mask=mask)  # [w, H]
-        if self.adapter is None:
-            return head_logits(self.model, hidden)
-        return self.adapter.logits(self.model, hidden, positions, self._adapter_cache, attention_mask=mask)
+        return self.exit.logits(self.model, hidden, positions, mask=mask)
 
     def _end_draft(self) -> None:
         """Remove the draft-time positions (idempotent)."""
         if self._committed_len is None:
             return
         crop_layers(self.cache, self.exit_layer, self._committed_len)
-        if self.adapter is not None and self.adapter.cache_len(self._adapter_cache) > self._committed_len:
-            self.adapter.crop(self._adapter_cache, self._committed_len)
+        self.exit.crop(self._committed_len)
         self._committed_len = None
 
     def propose(self, context: list[int], budget: int):

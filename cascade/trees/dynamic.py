@@ -118,6 +118,22 @@ class _StepValue:
     def rate(self) -> float:
         return self.gain / self.cost
 
+    def count(self, gain: float, per_node: float) -> None:
+        """A node added: its expected tokens and its Δverify."""
+        self.gain, self.cost = self.gain + gain, self.cost + per_node
+
+
+@dataclass
+class _Turn:
+    """One drafter's turn at one depth of the tree a step grows."""
+
+    tree: Tree
+    calls: LevelCalls
+    drafter: int  # index into calls.drafters
+    depth: int
+    step: _StepValue  # the step so far, updated as nodes are added
+    must_try: bool  # an exploring step: try one node even when it does not pay
+
 
 @dataclass
 class DynamicTreePolicy(TreePolicy):
@@ -172,10 +188,9 @@ class DynamicTreePolicy(TreePolicy):
             for i in range(len(calls.drafters)):
                 if len(tree.nodes) >= self.max_nodes or not frontier:
                     break
-                must_try = exploring and depth == 1
+                turn = _Turn(tree, calls, i, depth, step, must_try=exploring and depth == 1)
                 by_reach = sorted(frontier, key=lambda x: -tree.reach(x))
-                grow_level = self._lm_level if calls.is_lm(i) else self._lookup_level
-                level += grow_level(tree, calls, i, depth, by_reach, step, must_try)
+                level += self._lm_level(turn, by_reach) if calls.is_lm(i) else self._lookup_level(turn, by_reach)
             frontier = level
             if not frontier:
                 break
@@ -188,75 +203,77 @@ class DynamicTreePolicy(TreePolicy):
     def _worth(self, gain: float, cost: float, step: _StepValue) -> bool:
         return gain / cost >= max(self.t_min, step.rate)
 
-    def _lookup_level(self, tree, calls, i, depth, by_reach, step, must_try) -> list[int]:
+    def _lookup_level(self, turn: _Turn, by_reach: list[int]) -> list[int]:
         """A forward-free drafter proposes below the most reached nodes while it pays."""
-        added = []
+        tree, i, added = turn.tree, turn.drafter, []
         for x in by_reach:
             per_node = self._node(tree)
-            gain, cost = tree.reach(x) * self.acceptance.first_child(i, depth), self.prices.lookup(i) + per_node
-            if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, cost, step) or must_try):
+            gain, cost = tree.reach(x) * self.acceptance.first_child(i, turn.depth), self.prices.lookup(i) + per_node
+            if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, cost, turn.step) or turn.must_try):
                 break
             seen = len(tree.timings)
-            token, q = calls.lookup(tree, i, x)
+            token, q = turn.calls.lookup(tree, i, x)
             self.prices.record(tree, seen)
-            step.cost += self.prices.lookup(i)
+            turn.step.cost += self.prices.lookup(i)
             if token is not None and (q is not None or token not in tree.taken.get(x, set())):
                 added.append(tree.add(x, i, 1, token, q, gain))
-                step.gain, step.cost = step.gain + gain, step.cost + per_node
+                turn.step.count(gain, per_node)
         return added
 
-    def _lm_level(self, tree, calls, i, depth, by_reach, step, must_try) -> list[int]:
+    def _lm_level(self, turn: _Turn, by_reach: list[int]) -> list[int]:
+        tree, i = turn.tree, turn.drafter
         # 1. which frontier nodes to expand: one forward of width w, priced as it grows
-        alpha_first = self.acceptance.first_child(i, depth)
-        extra = 0 if i in tree.started or depth == 1 else 1  # a late start also feeds the root
-        expand, trial = [], _StepValue(step.gain, step.cost)
+        alpha_first = self.acceptance.first_child(i, turn.depth)
+        extra = 0 if i in tree.started or turn.depth == 1 else 1  # a late start also feeds the root
+        expand, trial = [], _StepValue(turn.step.gain, turn.step.cost)
         for x in by_reach[: self.max_nodes - len(tree.nodes)]:
             width = len(expand) + 1 + extra
             gain = tree.reach(x) * alpha_first
             per_node = self._node(tree, len(expand))  # each expanded node's first child
             cost = self.prices.forward(i, width) - self.prices.forward(i, width - 1) + per_node
-            if not self._worth(gain, cost, trial) and not (must_try and not expand):
+            if not self._worth(gain, cost, trial) and not (turn.must_try and not expand):
                 break
             expand.append(x)
             trial.gain, trial.cost = trial.gain + gain, trial.cost + cost - per_node
         if not expand:
             return []
-        step.cost += self.prices.forward(i, len(expand) + extra)
+        turn.step.cost += self.prices.forward(i, len(expand) + extra)
         seen = len(tree.timings)
-        logits = calls.forward(tree, i, expand)
+        logits = turn.calls.forward(tree, i, expand)
         self.prices.record(tree, seen)
         # 2. which children to add: each costs Δverify; best first across the level
-        if calls.deterministic(i):
-            return self._ranked_children(tree, calls, i, expand, logits, step, must_try)
-        return self._sampled_children(tree, calls, i, depth, expand, logits, step, must_try)
+        if turn.calls.deterministic(i):
+            return self._ranked_children(turn, expand, logits)
+        return self._sampled_children(turn, expand, logits)
 
-    def _ranked_children(self, tree, calls, i, expand, logits, step, must_try) -> list[int]:
+    def _ranked_children(self, turn: _Turn, expand: list[int], logits) -> list[int]:
+        tree, i = turn.tree, turn.drafter
         candidates = [(tree.reach(x) * self.acceptance.confident(i, conf), x, rank, token, conf)
                       for x in expand
-                      for rank, (token, conf) in enumerate(calls.ranked(tree, x, logits[x], self.max_rank), start=1)]
+                      for rank, (token, conf) in enumerate(turn.calls.ranked(tree, x, logits[x], self.max_rank), start=1)]
         candidates.sort(key=lambda c: -c[0])
         added = []
         for n, (gain, x, rank, token, conf) in enumerate(candidates):
             per_node = self._node(tree)
-            if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, step) or (must_try and n == 0)):
+            if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, turn.step) or (turn.must_try and n == 0)):
                 break
             if token in tree.taken.get(x, set()):
                 continue
             added.append(tree.add(x, i, rank, token, None, gain, conf))
-            step.gain, step.cost = step.gain + gain, step.cost + per_node
+            turn.step.count(gain, per_node)
         return added
 
-    def _sampled_children(self, tree, calls, i, depth, expand, logits, step, must_try) -> list[int]:
+    def _sampled_children(self, turn: _Turn, expand: list[int], logits) -> list[int]:
         """Each sibling is decided before it is drawn (its inclusion must not depend on its value)."""
-        added = []
+        tree, i, added = turn.tree, turn.drafter, []
         for n, x in enumerate(expand):
-            q = calls.q(logits[x])  # [V]
+            q = turn.calls.q(logits[x])  # [V]
             for rank in range(1, self.max_rank + 1):
-                gain = tree.reach(x) * self.acceptance.sibling(i, depth, rank)
+                gain = tree.reach(x) * self.acceptance.sibling(i, turn.depth, rank)
                 per_node = self._node(tree)
-                first = must_try and n == 0 and rank == 1
-                if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, step) or first):
+                first = turn.must_try and n == 0 and rank == 1
+                if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, turn.step) or first):
                     break
-                added.append(tree.add(x, i, rank, calls.draw(q), q, gain))
-                step.gain, step.cost = step.gain + gain, step.cost + per_node
+                added.append(tree.add(x, i, rank, turn.calls.draw(q), q, gain))
+                turn.step.count(gain, per_node)
         return added
