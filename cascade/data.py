@@ -196,7 +196,22 @@ def qa_pairs(name: str) -> list[tuple[str, str]]:
     raise ValueError(f"unknown question set {name!r}; use one of {QA_SETS}")
 
 
+def continuation_prompts() -> list[Prompt]:
+    """Prompts outside the evaluation reserve for the target's own continuations (draft-head
+    self-distillation, ``cascade.continuations``), interleaved round-robin: HumanEval 40..163
+    prompts (raw completion), GSM8K test questions 200..999, GPQA items 20..197 and MT-bench
+    first turns after the first 5 of each category (the last three in the chat template)."""
+    groups = [
+        [Prompt(r["task_id"], r["prompt"], "code", chat=False) for r in _humaneval_rows()[RESERVED_HUMANEVAL.stop :]],
+        [Prompt(f"gsm8k/{i}", q, "math", chat=True) for i, (q, _) in zip(_GSM8K_CORPUS, qa_pairs("gsm8k_qa"))],
+        [Prompt(f"gpqa/{_GPQA_HELD + i}", q, "qa", chat=True) for i, (q, _) in enumerate(qa_pairs("gpqa_rest"))],
+        [Prompt(f"mtbench_rest/{i}", q, "mtbench", chat=True) for i, (q, _) in enumerate(qa_pairs("mtbench_rest"))],
+    ]
+    return [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
+
+
 QA_SETS = ("gsm8k_qa", "mtbench_rest", "gpqa_rest")
+CONTINUATIONS = "continuations"  # draft-head training source: continuation_prompts + the target's continuations
 CORPORA = ("humaneval_solutions", "gsm8k_answers", "python_source")
 
 

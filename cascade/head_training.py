@@ -2,8 +2,9 @@
 
 1. ``corpus_chunks``: token chunks (at most ``seq_len`` tokens, never mixing two texts) from named
    sources, each source a share of ``max_tokens``: plain corpora (``cascade.data.corpus``) and
-   question sets (``cascade.data.qa_pairs``, in the target's chat template when it has one).
-   Every source lies outside the evaluation reserve.
+   question sets (``cascade.data.qa_pairs``, in the target's chat template when it has one), and
+   the target's own greedy continuations of corpus prompts (``continuations``: self-distillation
+   text, ``cascade.continuations``). Every source lies outside the evaluation reserve.
 2. ``capture_features``: one target forward per chunk (``CausalLM.forward(...,
    return_hidden=FINAL_HIDDEN)``, the forward the decode loop runs, so the features are the ones
    a drafter is handed), written one file per chunk into a directory with a manifest (target,
@@ -29,11 +30,13 @@ import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from tqdm.auto import tqdm
 
-from cascade.data import QA_SETS, corpus, qa_pairs
+from cascade.continuations import continuations
+from cascade.data import CONTINUATIONS, QA_SETS, corpus, qa_pairs
 from cascade.models.draft_head import DraftHead
 from cascade.models.layers import decoder_parts
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
@@ -58,7 +61,9 @@ class FeatureManifest:
     sha256: str  # of the chunks' token ids: which text the features were captured on
 
 
-def _source_texts(lm: CausalLM, name: str) -> list[list[int]]:
+def _source_texts(lm: CausalLM, name: str, continuation_tokens: int, progress: bool) -> Iterable[list[int]]:
+    if name == CONTINUATIONS:  # lazy: generated only as far as the source's budget reaches
+        return continuations(lm, continuation_tokens, progress=progress)
     if name in QA_SETS:
         chat = lm.tokenizer is not None and getattr(lm.tokenizer, "chat_template", None)
         out = []
@@ -73,10 +78,12 @@ def _source_texts(lm: CausalLM, name: str) -> list[list[int]]:
     return [lm.encode(t) for t in corpus(name)]
 
 
-def corpus_chunks(lm: CausalLM, sources: dict[str, float], seq_len: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+def corpus_chunks(lm: CausalLM, sources: dict[str, float], seq_len: int, max_tokens: int, seed: int = 0,
+                  continuation_tokens: int = 128, progress: bool = True) -> list[list[int]]:
     """Chunks of at most ``seq_len`` tokens (at least 2), each source ``name`` contributing up to
     ``share * max_tokens`` tokens from its texts in order; shuffled (seeded) so that a held-out
-    tail holds every source."""
+    tail holds every source. Source ``continuations``: corpus prompts followed by the target's
+    greedy continuations of ``continuation_tokens`` tokens (``cascade.continuations``)."""
     if seq_len < 2 or max_tokens < 2:
         raise ValueError(f"seq_len and max_tokens must be >= 2, got {seq_len}, {max_tokens}")
     total_share = sum(sources.values())
@@ -85,7 +92,9 @@ def corpus_chunks(lm: CausalLM, sources: dict[str, float], seq_len: int, max_tok
     chunks = []
     for name, share in sources.items():
         budget = int(max_tokens * share / total_share)
-        for ids in _source_texts(lm, name):
+        if budget < 2:
+            continue
+        for ids in _source_texts(lm, name, continuation_tokens, progress):
             for start in range(0, len(ids) - 1, seq_len):
                 piece = ids[start : start + seq_len][:budget]
                 if len(piece) >= 2:

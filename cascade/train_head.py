@@ -53,6 +53,8 @@ def _check(t) -> None:
         raise ConfigError(f"train.fusion must be concat or normed, got {t.fusion!r}")
     if t.precision not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.precision must be auto, fp32 or bf16, got {t.precision!r}")
+    if t.continuation_tokens < 1:
+        raise ConfigError(f"train.continuation_tokens must be >= 1, got {t.continuation_tokens}")
     if t.feature_storage not in FEATURE_STORAGE:
         raise ConfigError(f"train.feature_storage must be one of {sorted(FEATURE_STORAGE)}, got {t.feature_storage!r}")
 
@@ -168,7 +170,7 @@ def train(cfg: DictConfig) -> dict:
     sources = dict(t.sources)
 
     t0 = time.perf_counter()
-    token_chunks = corpus_chunks(lm, sources, t.seq_len, t.max_tokens, cfg.seed)
+    token_chunks = corpus_chunks(lm, sources, t.seq_len, t.max_tokens, cfg.seed, t.continuation_tokens, cfg.progress)
     if len(token_chunks) < 2:
         raise ConfigError(f"only {len(token_chunks)} chunk(s) of text: raise train.max_tokens")
     features_root = Path(t.features_dir or cache_root() / "head_features").expanduser()

@@ -46,6 +46,12 @@ def test_question_sets_exclude_the_reserve(name, reserved):
     assert not _leaks([q + "\n" + a for q, a in pairs], reserved)
 
 
+def test_continuation_prompts_exclude_the_reserve(reserved):
+    prompts = data.continuation_prompts()
+    assert {p.category for p in prompts} == {"code", "math", "qa", "mtbench"}
+    assert not _leaks([p.text for p in prompts], reserved)
+
+
 def test_the_check_sees_a_leak(reserved):
     """The same check flags a text that quotes one reserved item (HumanEval 0, GSM8K 1000)."""
     assert _leaks(["x" + reserved[0] + "y"], reserved)
@@ -76,7 +82,7 @@ def _names(node) -> set[str]:
 
 
 def test_configs_name_only_checked_sources():
-    known = set(data.CORPORA) | set(data.QA_SETS)
+    known = set(data.CORPORA) | set(data.QA_SETS) | {data.CONTINUATIONS}
     used = set()
     for path in sorted((Path(CONF) / "method").glob("*.yaml")):
         used |= _names(OmegaConf.to_container(OmegaConf.load(path)))

@@ -306,3 +306,40 @@ def test_bf16_training_steps_run_in_bf16_with_fp32_losses():
     fp32_loss, _ = chunk_loss(head, target, chunk, rows, 2, 1.0)
     got, want = loss.detach().item(), fp32_loss.detach().item()
     assert abs(got - want) < 0.05 * want  # bf16 rounding, not another loss
+
+
+def test_continuations_are_greedy_cached_and_resumable(tmp_path, monkeypatch):
+    """The continuations source: prompt + the target's greedy continuation, generated lazily
+    (only as far as a consumer reads), appended to a cache a rerun reads instead of generating;
+    a torn last line is generated again; corpus_chunks draws the source's budget from it."""
+    import itertools
+    import json
+
+    from cascade import continuations as cont
+    from cascade.data import continuation_prompts
+    from cascade.head_training import corpus_chunks
+    from cascade.models import load_model
+
+    lm = load_model("tiny:0", dtype="float32")
+    first = list(itertools.islice(cont.continuations(lm, 4, root=tmp_path, progress=False), 3))
+    path = cont.cache_file(lm, 4, tmp_path)
+    assert len(path.read_text().splitlines()) == 3  # lazy: three read, three generated
+    for p, text in zip(continuation_prompts()[:3], first):
+        ids = lm.encode(p.text)[-(lm.max_context - 4):]
+        assert text == ids + generate(lm, ids, max_new_tokens=4).tokens  # greedy, after the prompt
+    with open(path, "a") as f:
+        f.write('{"format": "cascade.continuations/1", "id": "')  # an interrupted append
+    calls = []
+    real = cont.generate
+    monkeypatch.setattr(cont, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = list(itertools.islice(cont.continuations(lm, 4, root=tmp_path, progress=False), 4))
+    assert again[:3] == first and len(calls) == 1  # only the fourth is generated
+    assert [json.loads(x)["id"] for x in path.read_text().splitlines()[:3]] == [p.id for p in continuation_prompts()[:3]]
+    monkeypatch.setenv("CASCADE_CACHE", str(tmp_path / "cache"))
+    chunks = corpus_chunks(lm, {"continuations": 1.0}, 64, 600, seed=0, continuation_tokens=4, progress=False)
+    assert 550 <= sum(map(len, chunks)) <= 600
+    texts = list(itertools.islice(cont.continuations(lm, 4, progress=False), 10))
+    joined = [t for text in texts for t in text]
+    assert all(any(c == joined[i:i + len(c)] for i in range(len(joined))) for c in chunks)
+    with pytest.raises(ValueError, match="new_tokens"):
+        next(cont.continuations(lm, 0, root=tmp_path))
