@@ -6,9 +6,9 @@ optimiser steps, and a fit that says what would reach a goal.
         --goal 0.5 --goal-depth3 0.3
 
 Printed: every epoch of every run; the runs' agreement at the step count they share (data at
-equal steps); and, on each fp32 run of three or more epochs, a log-linear fit of agreement against
-optimiser steps, extrapolated to the goal, with what the runs' measured training rates make of
-it. A fit of three points, on one data set (where a smaller set overfits first, more data
+equal steps); and, on each run of three or more epochs (fp32 or bf16), a log-linear fit of
+agreement against optimiser steps, extrapolated to the goal, with what the runs' measured
+training rates make of it (per precision, the fastest run's: slower ones shared the cores). A fit of three points, on one data set (where a smaller set overfits first, more data
 would be needed too): a direction and an order of magnitude, not a prediction.
 """
 
@@ -66,12 +66,15 @@ def main() -> None:
             for name, at, agree in points[tokens]:
                 print(f"  {tokens:6d} tokens ({name}, {at} steps): depth 1 {agree[0]:.3f}, depth 3 {agree[2]:.3f}")
 
-    # steps on one data set: each fp32 run of 3 or more epochs, agreement against log steps
-    for longest in [r for r in runs if len(r["history"]) >= 3 and r["precision"] == "fp32"]:
+    # steps on one data set: each run of 3 or more epochs, agreement against log steps
+    by_precision: dict[str, float] = {}  # the fastest recorded training rate per precision
+    for r in runs:
+        rate = r["history"][-1].get("train_tokens_per_s")
+        if rate:
+            by_precision[r["precision"]] = max(rate, by_precision.get(r["precision"], 0.0))
+    for longest in [r for r in runs if len(r["history"]) >= 3]:
         xs = [math.log(h["steps"]) for h in longest["history"]]
-        by_precision = {r["precision"]: r["history"][-1]["train_tokens_per_s"] for r in runs
-                        if r["history"][-1].get("train_tokens_per_s")}
-        print(f"\nsteps on {longest['tokens']} tokens ({longest['name']}, {len(longest['history'])} epochs), "
+        print(f"\nsteps on {longest['tokens']} tokens ({longest['name']}, {longest['precision']}, {len(longest['history'])} epochs), "
               "log-linear fit over its epochs:")
         for depth, goal in ((0, args.goal), (2, args.goal_depth3)):
             ys = [h["agreement"][depth] for h in longest["history"]]
