@@ -21,7 +21,7 @@ from typing import Iterator
 
 from tqdm.auto import tqdm
 
-from cascade.data import continuation_prompts, encode_prompt
+from cascade.data import continuation_prompts, encode_prompt, has_chat_template
 from cascade.decode import generate
 from cascade.drafters.ngram import NGramDrafter
 from cascade.models.lm import CausalLM
@@ -55,7 +55,7 @@ def continuations(lm: CausalLM, new_tokens: int = 128, root: Path | None = None,
     path = cache_file(lm, new_tokens, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _read(path)
-    has_chat = lm.tokenizer is not None and bool(getattr(lm.tokenizer, "chat_template", None))  # else raw text
+    has_chat = has_chat_template(lm)  # else raw text
     bar = tqdm(desc=f"{lm.name} continuations (new tokens)", unit="tok", disable=not progress)
     try:
         for p in continuation_prompts():

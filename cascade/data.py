@@ -282,10 +282,14 @@ def encode(lm, prompt: Prompt, chat_template: bool = False) -> list[int]:
     return encode_prompt(lm, prompt.text, chat_template if prompt.chat is None else prompt.chat)
 
 
+def has_chat_template(lm) -> bool:
+    return lm.tokenizer is not None and bool(getattr(lm.tokenizer, "chat_template", None))
+
+
 def encode_prompt(lm, text: str, chat_template: bool = False) -> list[int]:
     """Token ids of a prompt, optionally wrapped in the model's chat template as a user turn."""
     if chat_template:
-        if lm.tokenizer is None or not getattr(lm.tokenizer, "chat_template", None):
+        if not has_chat_template(lm):
             raise ValueError(f"model {lm.name!r} has no chat template")
         ids = lm.tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True

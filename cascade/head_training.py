@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cascade.continuations import continuations
-from cascade.data import CONTINUATIONS, QA_SETS, corpus, qa_pairs
+from cascade.data import CONTINUATIONS, QA_SETS, corpus, has_chat_template, qa_pairs
 from cascade.models.draft_head import DraftHead
 from cascade.models.layers import decoder_parts
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
@@ -65,7 +65,7 @@ def _source_texts(lm: CausalLM, name: str, continuation_tokens: int, progress: b
     if name == CONTINUATIONS:  # lazy: generated only as far as the source's budget reaches
         return continuations(lm, continuation_tokens, progress=progress)
     if name in QA_SETS:
-        chat = lm.tokenizer is not None and getattr(lm.tokenizer, "chat_template", None)
+        chat = has_chat_template(lm)
         out = []
         for question, answer in qa_pairs(name):
             if chat:
@@ -123,10 +123,6 @@ def target_features(lm: CausalLM, tokens: list[int]) -> torch.Tensor:
     return feats.clone()
 
 
-def _chunk_key(ids: list[int]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
-
-
 def _captured_chunks(dirs: list[Path], target: str) -> dict[str, Path]:
     """Chunk files of ``target``'s earlier captures in ``dirs``, by the sha256 of their tokens."""
     found = {}
@@ -135,7 +131,8 @@ def _captured_chunks(dirs: list[Path], target: str) -> dict[str, Path]:
         if not manifest.is_file() or json.loads(manifest.read_text()).get("target") != target:
             continue
         for f in sorted(d.glob("chunk_*.pt")):
-            found.setdefault(_chunk_key(torch.load(f, weights_only=True)["tokens"].tolist()), f)
+            tokens = torch.load(f, weights_only=True, mmap=True)["tokens"]  # mapped: the features are not read
+            found.setdefault(chunks_sha256([tokens.tolist()]), f)
     return found
 
 
@@ -166,7 +163,7 @@ def capture_features(lm: CausalLM, chunks: list[list[int]], sources: dict[str, f
         if saved is None or saved["tokens"].tolist() != ids:
             if earlier is None:  # indexed once, at the first chunk this directory lacks
                 earlier = _captured_chunks([d for d in reuse_dirs if Path(d).resolve() != out_dir.resolve()], lm.name)
-            source = earlier.get(_chunk_key(ids))
+            source = earlier.get(chunks_sha256([ids]))
             if source is not None:
                 saved = torch.load(source, weights_only=True)
                 reused += 1

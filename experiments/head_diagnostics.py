@@ -187,9 +187,9 @@ def decoding(args) -> None:
     # (hits, count) per bucket: decode-time depth 1; teacher-forced by region and head position
     tally = {k: [0, 0] for k in ("decode", "tf_output", "tf_prompt", f"tf_pos<{args.seq_len}", f"tf_pos>={args.seq_len}")}
     print(f"{args.head} on {lm.name} ({lm.dtype}), {args.dataset}: {args.prompts} prompts, {args.max_new} new tokens each")
+    drafter = DraftHeadDrafter(str(args.head), k=1, sample=False)  # its own copy, on the target's kernels
     for p in load_prompts(args.dataset, args.prompts):
         ids = encode(lm, p, args.chat)
-        drafter = DraftHeadDrafter(str(args.head), k=1, sample=False)  # its own copy, on the target's kernels
         out = generate(lm, ids, drafter=drafter, max_new_tokens=args.max_new)
         rounds = [s for s in out.steps if s.drafted >= 1]
         d_hits = sum(s.draft_tokens[0] == s.target_argmax[0] for s in rounds)
