@@ -7,7 +7,8 @@ fp32, fp32 with oneDNN linears, fp16 weights with fp32 arithmetic through FBGEMM
 kernels (``native``: ``dtype="native"``, ``cascade.models.native``, with its lean forward;
 ``native_hf``: the same kernels under transformers' own forward), and the drafters' quantized
 copies (``int8``: torch's dynamic int8; ``int8n`` / ``int4n``: the native weight-only kernels;
-``int8v``: native int8 x int8 with activations quantized per row, AVX-512 VNNI). The component table times, for k = 1 and
+``int8v`` / ``int4v``: native int8 / int4 weights times int8 activations quantized per row,
+AVX-512 VNNI). The component table times, for k = 1 and
 the largest k, the attention projections (q, k, v, o), the rest of attention (RoPE, the
 softmax-weighted sum over the cache), the MLP, the LM head and everything else (embedding,
 norms, framework), with forward hooks (they add a little overhead of their own).
@@ -166,7 +167,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", default="bf16,fp16w,native,native_hf,int8",
                     help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, dispatch, native, native_hf, int8, int8n, int8v, "
-                         "int4n (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
+                         "int4n, int4v (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prefill timed per backend (0: skip)")
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
                     help="skip measuring bandwidth and peak FLOP/s (about 10 s and 1 GiB of memory)")
@@ -178,7 +179,7 @@ def main() -> None:
              "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch"), "native": dict(dtype="native"),
              "native_hf": dict(dtype="native", lean=False),
              "int8": dict(quantize="int8_dynamic"), "int8n": dict(quantize="int8_native"), "int8v": dict(quantize="int8_vnni"),
-             "int4n": dict(quantize="int4_native")}
+             "int4n": dict(quantize="int4_native"), "int4v": dict(quantize="int4_vnni")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
@@ -216,7 +217,7 @@ def main() -> None:
 # bytes each backend streams per linear weight (dispatch: fp16 copies; int8: one byte plus a
 # scale per tensor; int8n: per channel; int4n: half a byte plus an fp32 scale per 64 weights)
 BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "native_hf": 2, "int8": 1, "int8n": 1,
-                    "int8v": 1, "int4n": 0.5 + 4 / 64}
+                    "int8v": 1, "int4n": 0.5 + 4 / 64, "int4v": 0.5 + 4 / 64}
 EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
 
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from cascade.models.native import (NativeFP16Linear, NativeInt4Linear, NativeInt8Linear, NativeInt8VNNILinear, fp32_sum_bound,
+from cascade.models.native import (NativeFP16Linear, NativeInt4Linear, NativeInt4VNNILinear, NativeInt8Linear,
+                                   NativeInt8VNNILinear, fp32_sum_bound, pack_int4_vnni, unpack_int4_vnni,
                                    native_kernels,
                                    native_attention, swap_linears, unavailable_reason)
 
@@ -85,16 +86,19 @@ def _vnni() -> bool:
     return native_kernels() is not None and native_kernels().has_vnni()
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "int4", "int8_vnni"])
-@pytest.mark.parametrize("shape", [(1536, 256), (896, 4864), (64, 45), (128, 33)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("kind", ["fp16", "int8", "int4", "int8_vnni", "int4_vnni"])
+@pytest.mark.parametrize("shape", [(1536, 256), (896, 4864), (64, 45), (128, 33), (256, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_rows_are_bitwise_invariant(kind, shape):
-    """Row i of an M-row call equals the 1-row call on row i, bit for bit, for M = 1..32."""
-    if kind == "int8_vnni" and not _vnni():
+    """Row i of an M-row call equals the 1-row call on row i, bit for bit, for M = 1..32 (the
+    1-3 row passes run several panels side by side: 200 columns = 6 full panels and a tail)."""
+    if kind.endswith("_vnni") and not _vnni():
         pytest.skip("no AVX-512 VNNI on this CPU")
     k, n = shape
+    if kind.startswith("int4") and k % 64:
+        pytest.skip("int4 needs K divisible by 64")
     lin = _fp16_linear(k, n, bias=True, seed=3)
     module = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear,
-              "int8_vnni": NativeInt8VNNILinear}[kind](lin)
+              "int8_vnni": NativeInt8VNNILinear, "int4_vnni": NativeInt4VNNILinear}[kind](lin)
     x = torch.randn(32, k, generator=torch.Generator().manual_seed(2))
     singles = torch.cat([module(x[i:i + 1]) for i in range(32)])
     for m in range(1, 33):
@@ -136,6 +140,32 @@ def test_vnni_kernel_is_its_integer_sums(k):
     q = torch.round(plain.dense_weight() / plain.scale[:n, None]).to(torch.int64)  # [N, K]
     ref = (xq @ q.T).double() * sx.double()[:, None] * plain.scale[:n].double() + lin.bias.double()
     assert ((module(x).double() - ref).abs() <= 1e-6 * ref.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("n", [70, 200, 31])
+def test_int4_vnni_kernel_is_its_integer_sums(n):
+    """int4 x int8: y = sx * sum_g s_g (sum_{k in g} (q_k - 8) xq_k) + b with xq = round(x / sx),
+    sx = max|x| / 127 per row, recomputed here (exact integer group sums) and compared to fp32
+    rounding; the packing round-trips and the weights are int4_native's."""
+    if not _vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    k = 256
+    lin = _fp16_linear(k, n, bias=True, seed=10)
+    module, plain = NativeInt4VNNILinear(lin), NativeInt4Linear(lin)
+    assert torch.equal(module.dense_weight(), plain.dense_weight())
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(unpack_int4_vnni(pack_int4_vnni(q), n), q)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(11))
+    sx = x.abs().amax(1) / 127
+    xq = torch.round(x * (1 / sx)[:, None]).clamp(-127, 127).to(torch.int64)  # [M, K]
+    w_int = (unpack_int4_vnni(module.packed, n).to(torch.int64) - 8).reshape(n, k // 64, 64)  # [N, G, 64]
+    sums = torch.einsum("mgk,ngk->mng", xq.reshape(11, k // 64, 64), w_int).double()  # [M, N, G] exact
+    scale = module.scales.permute(0, 2, 1).reshape(-1, k // 64)[:n].double()  # [N, G]
+    ref = (sums * scale).sum(-1) * sx.double()[:, None] + lin.bias.double()
+    assert ((module(x).double() - ref).abs() <= 1e-5 * ref.abs() + 1e-5).all()
+    # and it approximates the fp32 product of the same weights to the activations' rounding
+    exact = x.double() @ plain.dense_weight().double().T + lin.bias.double()
+    assert (module(x).double() - exact).norm() / exact.norm() < 0.03
 
 
 def test_int4_refuses_k_off_the_group():
@@ -347,6 +377,8 @@ def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
         "int8 native": lambda: QuantizedLMDrafter(lm, "int8_native", k=4),
         "int8 vnni": lambda: QuantizedLMDrafter(lm, "int8_vnni" if _vnni() else "int8_native", k=4),
         "int4 native": lambda: QuantizedLMDrafter(lm, "int4_native", k=3) if lm.model.config.hidden_size % 64 == 0
+        else QuantizedLMDrafter(lm, "int8_native", k=3),
+        "int4 vnni": lambda: QuantizedLMDrafter(lm, "int4_vnni", k=3) if lm.model.config.hidden_size % 64 == 0 and _vnni()
         else QuantizedLMDrafter(lm, "int8_native", k=3),
         "cascade": lambda: VerticalCascade([SmallLMDrafter(lm, k=5), NGramDrafter(k=2)]),
         "draft head": lambda: DraftHeadDrafter("init", k=3),

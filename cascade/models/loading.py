@@ -113,7 +113,7 @@ def load_model(
     :func:`kernel_plan_path` and logged; a layer keeps a second copy of its weight only where a
     second kernel wins some row count.
 
-    ``quantize`` ("auto", "int8_dynamic", "int8_native" or "int4_native" on CPU, "nf4" on CUDA;
+    ``quantize`` ("auto", "int8_dynamic", "int8_native", "int8_vnni", "int4_native" or "int4_vnni" on CPU, "nf4" on CUDA;
     see ``cascade.models.quantize``) loads a quantized copy, for drafters. The CPU methods load
     fp32 whatever ``dtype`` says.
     """

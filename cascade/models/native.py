@@ -16,6 +16,9 @@ weight tile once and multiply it into every row; two threads split the output co
 - :class:`NativeInt8Linear`, :class:`NativeInt4Linear` (``quantize="int8_native"`` /
   ``"int4_native"``): weight-only quantized copies for drafters (a quarter / an eighth of fp32's
   bytes; symmetric int8 per output channel, int4 per group of 64 along K).
+- :class:`NativeInt8VNNILinear`, :class:`NativeInt4VNNILinear` (``"int8_vnni"`` / ``"int4_vnni"``,
+  AVX-512 VNNI): the same weights times int8 activations quantized per row at each call, int32
+  sums (vpdpbusd); not exact, which a drafter may be.
 
 The extension is built on first use with ``torch.utils.cpp_extension.load`` (g++, a minute on
 2 cores) and cached under ``$CASCADE_CACHE/native/`` per torch version and source hash; it is
@@ -271,6 +274,46 @@ class NativeInt4Linear(NativeLinear):
 
     def _matmul(self, x2d):
         return _ext().linear_int4(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
+
+
+def pack_int4_vnni(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 (K a multiple of 4) -> [P, K / 4, 64] bytes: per four consecutive k,
+    byte 4c + j holds column c (low nibble) and column c + 16 (high nibble) at k = 4 g + j."""
+    panels = _panels(q)  # [P, K, 32]
+    p, k, _ = panels.shape
+    four = panels.reshape(p, k // 4, 4, PANEL).transpose(2, 3).reshape(p, k // 4, 2, 64)  # [P, K/4, half, 16 c x 4 j]
+    return (four[:, :, 0] | (four[:, :, 1] << 4)).contiguous()
+
+
+def unpack_int4_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_vnni`: [N, K] values 0..15."""
+    p, k4, _ = packed.shape
+    four = torch.stack([packed & 0xF, packed >> 4], dim=2)  # [P, K/4, 2, 64]
+    panels = four.reshape(p, k4, PANEL, 4).transpose(2, 3).reshape(p, k4 * 4, PANEL)
+    return _unpanel(panels, n)
+
+
+class NativeInt4VNNILinear(NativeLinear):
+    """The int4 weights of :class:`NativeInt4Linear` times int8 activations quantized per row at
+    each call, int32 sums per group (AVX-512 VNNI): a drafter's token at its bytes' cost, where
+    fp32 arithmetic on int4 weights is bound by the unpacking and the FMAs (a drafter's)."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
+        super().__init__(linear)
+        if not _ext().has_vnni():
+            raise RuntimeError("quantize='int4_vnni' needs AVX-512 VNNI (use 'int4_native')")
+        q, scale = quantize_int4(linear.weight, group)
+        self.group = group
+        self.packed = pack_int4_vnni(q)  # [P, K / 4, 64] uint8
+        self.scales = _panels(scale)  # [P, K / G, 32]
+
+    def dense_weight(self) -> torch.Tensor:
+        q = unpack_int4_vnni(self.packed, self.out_features).float() - 8  # [N, K]
+        scale = _unpanel(self.scales, self.out_features)  # [N, K / G]
+        return q * scale.repeat_interleave(self.group, dim=1)
+
+    def _matmul(self, x2d):
+        return _ext().linear_int4_vnni(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
 
 
 ATTENTION = "cascade_native"  # the name the attention function is registered under in transformers

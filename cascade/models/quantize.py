@@ -18,6 +18,10 @@ Methods:
     "int4_native"   CPU. The same with int4 weights, one scale per output column and group of 64
                     along K (an eighth of fp32's bytes); a layer whose K is not a multiple of 64
                     keeps fp32.
+    "int4_vnni"     CPU with AVX-512 VNNI. int4_native's weights times int8 activations quantized per
+                    row at each call, int32 sums per group (``NativeInt4VNNILinear``): the same bytes
+                    as int4_native without its per-weight unpacking and fp32 multiply-adds, which
+                    bound int4_native at ~2x its bytes' time on one row; activations rounded.
     "nf4"           CUDA. bitsandbytes 4-bit NF4 through transformers' ``BitsAndBytesConfig``
                     (bf16 compute), applied while loading.
     "auto"          nf4 on CUDA, int8_dynamic on CPU.
@@ -37,11 +41,11 @@ import warnings
 import torch
 
 from cascade.models.lean import attach_lean
-from cascade.models.native import (NativeInt4Linear, NativeInt8Linear, NativeInt8VNNILinear, native_kernels, swap_linears,
-                                   unavailable_reason)
+from cascade.models.native import (NativeInt4Linear, NativeInt4VNNILinear, NativeInt8Linear, NativeInt8VNNILinear, native_kernels,
+                                   swap_linears, unavailable_reason)
 
-METHODS = ("auto", "int8_dynamic", "int8_native", "int8_vnni", "int4_native", "nf4")
-CPU_METHODS = ("int8_dynamic", "int8_native", "int8_vnni", "int4_native")
+METHODS = ("auto", "int8_dynamic", "int8_native", "int8_vnni", "int4_native", "int4_vnni", "nf4")
+CPU_METHODS = ("int8_dynamic", "int8_native", "int8_vnni", "int4_native", "int4_vnni")
 
 
 def resolve_method(method: str, device: torch.device) -> str:
@@ -57,7 +61,8 @@ def resolve_method(method: str, device: torch.device) -> str:
 
 
 # method -> the native linear it swaps in (weight-only int8 / int4, or int8 x int8 with VNNI)
-NATIVE_QUANTIZERS = {"int8_native": NativeInt8Linear, "int8_vnni": NativeInt8VNNILinear, "int4_native": NativeInt4Linear}
+NATIVE_QUANTIZERS = {"int8_native": NativeInt8Linear, "int8_vnni": NativeInt8VNNILinear, "int4_native": NativeInt4Linear,
+                     "int4_vnni": NativeInt4VNNILinear}
 
 
 def quantize_native(model: torch.nn.Module, method: str) -> tuple[int, list[str]]:

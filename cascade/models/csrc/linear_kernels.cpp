@@ -13,7 +13,8 @@
 // panels of NC = 32; a panel stores its K x 32 weights k-major, so a panel is one sequential
 // stream of memory ([P, K, 32] fp16 / int8; int4: [P, K, 16] bytes, byte j of a row holding
 // column j in its low nibble and column j + 16 in its high nibble, with [P, K / G, 32] scales).
-// Two threads (OpenMP, torch's runtime) split the panels.
+// Two threads (OpenMP, torch's runtime) split the panels; one to three rows run up to four
+// panels side by side (more independent accumulators, the same order per output element).
 //
 // Row invariance: every output element is y[m, n] = fma(x[m, K-1], w[K-1, n], ... fma(x[m, 0],
 // w[0, n], 0)) (+ bias[n]) in exactly this order (int8: times the channel's scale before the
@@ -64,88 +65,122 @@ __attribute__((target("avx512f"))) inline void store_row(float* y, __m512 a0, __
   _mm512_mask_storeu_ps(y + 16, pm.high, a1);
 }
 
-// One panel, MR rows: acc[m][0..1] hold columns 0-15 and 16-31 of row m.
-template <int MR>
+// PP panels (side by side in memory, pstride elements apart), MR rows: acc[q][m][0..1] hold
+// columns 0-15 and 16-31 of panel q, row m. Each output element is still one sequential FMA chain
+// over k; PP > 1 only gives one or two rows enough independent chains to hide the FMA latency
+// (with 2 accumulators a 1-row pass waits on each FMA's result), so the result does not depend
+// on PP. Only the last panel of a pass may be partial (ncols valid columns).
+template <int MR, int PP>
 __attribute__((target("avx512f"))) void fp16_rows_avx512(const float* x, int64_t ldx, const uint16_t* panel,
-                                                          int64_t K, const float* bias, float* y, int64_t ldy,
-                                                          int ncols) {
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+                                                          int64_t pstride, int64_t K, const float* bias, float* y,
+                                                          int64_t ldy, int ncols) {
+  __m512 acc[PP][MR][2];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const uint16_t* w = panel + k * NC;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * NC), _MM_HINT_T0);
-    const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16)));
+    __m512 w[PP][2];
+    for (int q = 0; q < PP; ++q) {
+      const uint16_t* wk = panel + q * pstride + k * NC;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * NC), _MM_HINT_T0);
+      w[q][0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk)));
+      w[q][1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16)));
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+      for (int q = 0; q < PP; ++q) {
+        acc[q][m][0] = _mm512_fmadd_ps(xb, w[q][0], acc[q][m][0]);
+        acc[q][m][1] = _mm512_fmadd_ps(xb, w[q][1], acc[q][m][1]);
+      }
     }
   }
-  const PanelMasks pm = panel_masks(ncols);
-  for (int m = 0; m < MR; ++m) store_row(y + m * ldy, acc[m][0], acc[m][1], bias, pm);
+  for (int q = 0; q < PP; ++q) {
+    const PanelMasks pm = panel_masks(q == PP - 1 ? ncols : NC);
+    for (int m = 0; m < MR; ++m) store_row(y + m * ldy + q * NC, acc[q][m][0], acc[q][m][1], bias ? bias + q * NC : nullptr, pm);
+  }
 }
 
-// int8, one scale per output column: y = (sum_k x_k q_k) * scale (+ bias).
-template <int MR>
-__attribute__((target("avx512f"))) void int8_rows_avx512(const float* x, int64_t ldx, const int8_t* panel, int64_t K,
-                                                          const float* scale, const float* bias, float* y,
-                                                          int64_t ldy, int ncols) {
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+// int8, one scale per output column: y = (sum_k x_k q_k) * scale (+ bias); PP panels as fp16's.
+template <int MR, int PP>
+__attribute__((target("avx512f"))) void int8_rows_avx512(const float* x, int64_t ldx, const int8_t* panel,
+                                                          int64_t pstride, int64_t K, const float* scale,
+                                                          const float* bias, float* y, int64_t ldy, int ncols) {
+  __m512 acc[PP][MR][2];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const int8_t* w = panel + k * NC;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * NC), _MM_HINT_T0);
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+    __m512 w[PP][2];
+    for (int q = 0; q < PP; ++q) {
+      const int8_t* wk = panel + q * pstride + k * NC;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 32 * NC), _MM_HINT_T0);
+      w[q][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk))));
+      w[q][1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16))));
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+      for (int q = 0; q < PP; ++q) {
+        acc[q][m][0] = _mm512_fmadd_ps(xb, w[q][0], acc[q][m][0]);
+        acc[q][m][1] = _mm512_fmadd_ps(xb, w[q][1], acc[q][m][1]);
+      }
     }
   }
-  const PanelMasks pm = panel_masks(ncols);
-  const __m512 s0 = _mm512_maskz_loadu_ps(pm.low, scale), s1 = _mm512_maskz_loadu_ps(pm.high, scale + 16);
-  for (int m = 0; m < MR; ++m) {
-    __m512 a0 = _mm512_mul_ps(acc[m][0], s0), a1 = _mm512_mul_ps(acc[m][1], s1);
-    store_row(y + m * ldy, a0, a1, bias, pm);
+  for (int q = 0; q < PP; ++q) {
+    const PanelMasks pm = panel_masks(q == PP - 1 ? ncols : NC);
+    const float* sq = scale + q * NC;
+    const __m512 s0 = _mm512_maskz_loadu_ps(pm.low, sq), s1 = _mm512_maskz_loadu_ps(pm.high, sq + 16);
+    for (int m = 0; m < MR; ++m) {
+      __m512 a0 = _mm512_mul_ps(acc[q][m][0], s0), a1 = _mm512_mul_ps(acc[q][m][1], s1);
+      store_row(y + m * ldy + q * NC, a0, a1, bias ? bias + q * NC : nullptr, pm);
+    }
   }
 }
 
 // int4, symmetric per (group of G k, column): w = (q - 8) * s. Per group the row's products
 // with q are summed, then acc += s * (group sum - 8 * sum of x over the group) (xsum: [MR, K/G]).
-template <int MR>
+// PP panels as fp16's (pstride bytes apart; their scales sstride floats apart).
+template <int MR, int PP>
 __attribute__((target("avx512f"))) void int4_rows_avx512(const float* x, int64_t ldx, const float* xsum,
-                                                          int64_t ldxs, const uint8_t* panel, int64_t K, int64_t G,
-                                                          const float* scales, const float* bias, float* y,
-                                                          int64_t ldy, int ncols) {
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+                                                          int64_t ldxs, const uint8_t* panel, int64_t pstride,
+                                                          int64_t K, int64_t G, const float* scales, int64_t sstride,
+                                                          const float* bias, float* y, int64_t ldy, int ncols) {
+  __m512 acc[PP][MR][2];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t g = 0; g < K / G; ++g) {
-    __m512 gacc[MR][2];
-    for (int m = 0; m < MR; ++m) gacc[m][0] = gacc[m][1] = _mm512_setzero_ps();
+    __m512 gacc[PP][MR][2];
+    for (int q = 0; q < PP; ++q)
+      for (int m = 0; m < MR; ++m) gacc[q][m][0] = gacc[q][m][1] = _mm512_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-      const uint8_t* w = panel + k * (NC / 2);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 64 * (NC / 2)), _MM_HINT_T0);
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+      __m512 w[PP][2];
+      for (int q = 0; q < PP; ++q) {
+        const uint8_t* wk = panel + q * pstride + k * (NC / 2);
+        _mm_prefetch(reinterpret_cast<const char*>(wk + 64 * (NC / 2)), _MM_HINT_T0);
+        const __m512i qv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
+        w[q][0] = _mm512_cvtepi32_ps(_mm512_and_si512(qv, low));
+        w[q][1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(qv, 4));
+      }
       for (int m = 0; m < MR; ++m) {
         const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-        gacc[m][0] = _mm512_fmadd_ps(xb, w0, gacc[m][0]);
-        gacc[m][1] = _mm512_fmadd_ps(xb, w1, gacc[m][1]);
+        for (int q = 0; q < PP; ++q) {
+          gacc[q][m][0] = _mm512_fmadd_ps(xb, w[q][0], gacc[q][m][0]);
+          gacc[q][m][1] = _mm512_fmadd_ps(xb, w[q][1], gacc[q][m][1]);
+        }
       }
     }
-    const __m512 s0 = _mm512_loadu_ps(scales + g * NC), s1 = _mm512_loadu_ps(scales + g * NC + 16);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 off = _mm512_set1_ps(8.0f * xsum[m * ldxs + g]);
-      acc[m][0] = _mm512_fmadd_ps(_mm512_sub_ps(gacc[m][0], off), s0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(_mm512_sub_ps(gacc[m][1], off), s1, acc[m][1]);
+    for (int q = 0; q < PP; ++q) {
+      const float* sg = scales + q * sstride + g * NC;
+      const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 off = _mm512_set1_ps(8.0f * xsum[m * ldxs + g]);
+        acc[q][m][0] = _mm512_fmadd_ps(_mm512_sub_ps(gacc[q][m][0], off), s0, acc[q][m][0]);
+        acc[q][m][1] = _mm512_fmadd_ps(_mm512_sub_ps(gacc[q][m][1], off), s1, acc[q][m][1]);
+      }
     }
   }
-  const PanelMasks pm = panel_masks(ncols);
-  for (int m = 0; m < MR; ++m) store_row(y + m * ldy, acc[m][0], acc[m][1], bias, pm);
+  for (int q = 0; q < PP; ++q) {
+    const PanelMasks pm = panel_masks(q == PP - 1 ? ncols : NC);
+    for (int m = 0; m < MR; ++m) store_row(y + m * ldy + q * NC, acc[q][m][0], acc[q][m][1], bias ? bias + q * NC : nullptr, pm);
+  }
 }
 
 // ---- AVX2 + F16C + FMA -----------------------------------------------------------------------
@@ -278,13 +313,29 @@ void run_rows(int64_t M, int mr, Fn&& block) {  // block(r0, rows) for row block
 }
 
 // Panels split between torch's intra-op threads (contiguous ranges: each thread streams its own
-// part of the packed weight).
+// part of the packed weight), a thread's range taken in groups of up to 4 panels: fn(p, count)
+// for panels p .. p + count - 1 (the matrix's one partial panel, the last, ends its group).
 template <typename Fn>
-void for_panels(int64_t P, Fn&& fn) {
+void for_panel_groups(int64_t P, Fn&& fn) {
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) fn(p);
+    for (int64_t p = p0; p < p1; p += 4) fn(p, static_cast<int>(std::min<int64_t>(4, p1 - p)));
   });
 }
+
+// A block of MR rows over `count` panels as passes of PP panels side by side: PP = 4 for one
+// row, 2 for two or three, 1 from four, so a pass has >= 8 independent FMA chains (the latency
+// of an FMA is ~4 cycles; one row over one panel has only 2 chains) within the 32 registers.
+// pass(q, PP) covers panels q .. q + PP - 1 of the group.
+template <int MR, typename Fn>
+void panel_passes(int count, Fn&& pass) {
+  constexpr int PP = MR == 1 ? 4 : MR <= 3 ? 2 : 1;
+  int q = 0;
+  for (; q + PP <= count; q += PP) pass(q, std::integral_constant<int, PP>{});
+  for (; q < count; ++q) pass(q, std::integral_constant<int, 1>{});
+}
+
+// Valid columns of the last panel of a pass over panels p .. p + pp - 1.
+inline int pass_ncols(int64_t N, int64_t p, int pp) { return static_cast<int>(std::min<int64_t>(NC, N - (p + pp - 1) * NC)); }
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
@@ -308,30 +359,40 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const Isa which = isa();
-  for_panels(P, [&](int64_t p) {
-    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
-    const uint16_t* panel = wp + p * K * NC;
-    const float* b = bp ? bp + p * NC : nullptr;
+  for_panel_groups(P, [&](int64_t pg, int count) {
     if (which == Isa::avx512) {
       run_rows(M, MR512, [&](int64_t r0, int rows) {
-        const float* xr = xp + r0 * ldx;
-        float* yr = yp + r0 * N + p * NC;
-        with_rows<8>(rows, [&](auto r) { fp16_rows_avx512<decltype(r)::value>(xr, ldx, panel, K, b, yr, N, ncols); });
+        with_rows<8>(rows, [&](auto r) {
+          constexpr int MR = decltype(r)::value;
+          panel_passes<MR>(count, [&](int q, auto pp) {
+            constexpr int PP = decltype(pp)::value;
+            const int64_t p = pg + q;
+            fp16_rows_avx512<MR, PP>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K, bp ? bp + p * NC : nullptr,
+                                     yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
+          });
+        });
       });
-    } else if (M <= 2) {  // one pass over all four vectors of the panel
-      run_rows(M, 2, [&](int64_t r0, int rows) {
-        const float* xr = xp + r0 * ldx;
-        float* yr = yp + r0 * N + p * NC;
-        with_rows<2>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols); });
-      });
-    } else {  // half a panel per pass, up to 6 rows
-      for (int c0 = 0; c0 < NC; c0 += 16) {
-        if (c0 >= ncols) break;
-        run_rows(M, 6, [&](int64_t r0, int rows) {
+      return;
+    }
+    for (int64_t p = pg; p < pg + count; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+      const uint16_t* panel = wp + p * K * NC;
+      const float* b = bp ? bp + p * NC : nullptr;
+      if (M <= 2) {  // one pass over all four vectors of the panel
+        run_rows(M, 2, [&](int64_t r0, int rows) {
           const float* xr = xp + r0 * ldx;
           float* yr = yp + r0 * N + p * NC;
-          with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, nullptr, b, yr, N, ncols); });
+          with_rows<2>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols); });
         });
+      } else {  // half a panel per pass, up to 6 rows
+        for (int c0 = 0; c0 < NC; c0 += 16) {
+          if (c0 >= ncols) break;
+          run_rows(M, 6, [&](int64_t r0, int rows) {
+            const float* xr = xp + r0 * ldx;
+            float* yr = yp + r0 * N + p * NC;
+            with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, nullptr, b, yr, N, ncols); });
+          });
+        }
       }
     }
   });
@@ -352,18 +413,26 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const Isa which = isa();
-  for_panels(P, [&](int64_t p) {
-    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
-    const int8_t* panel = wp + p * K * NC;
-    const float* s = sp + p * NC;
-    const float* b = bp ? bp + p * NC : nullptr;
+  for_panel_groups(P, [&](int64_t pg, int count) {
     if (which == Isa::avx512) {
       run_rows(M, MR512, [&](int64_t r0, int rows) {
-        const float* xr = xp + r0 * ldx;
-        float* yr = yp + r0 * N + p * NC;
-        with_rows<8>(rows, [&](auto r) { int8_rows_avx512<decltype(r)::value>(xr, ldx, panel, K, s, b, yr, N, ncols); });
+        with_rows<8>(rows, [&](auto r) {
+          constexpr int MR = decltype(r)::value;
+          panel_passes<MR>(count, [&](int q, auto pp) {
+            constexpr int PP = decltype(pp)::value;
+            const int64_t p = pg + q;
+            int8_rows_avx512<MR, PP>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K, sp + p * NC,
+                                     bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
+          });
+        });
       });
-    } else {
+      return;
+    }
+    for (int64_t p = pg; p < pg + count; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+      const int8_t* panel = wp + p * K * NC;
+      const float* s = sp + p * NC;
+      const float* b = bp ? bp + p * NC : nullptr;
       for (int c0 = 0; c0 < NC; c0 += 16) {
         if (c0 >= ncols) break;
         run_rows(M, 6, [&](int64_t r0, int rows) {
@@ -402,19 +471,28 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const Isa which = isa();
-  for_panels(P, [&](int64_t p) {
-    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
-    const uint8_t* panel = wp + p * K * (NC / 2);
-    const float* s = sp + p * (K / group) * NC;
-    const float* b = bp ? bp + p * NC : nullptr;
+  const int64_t sstride = (K / group) * NC;
+  for_panel_groups(P, [&](int64_t pg, int count) {
     if (which == Isa::avx512) {
       run_rows(M, 4, [&](int64_t r0, int rows) {
-        const float* xr = xp + r0 * ldx;
-        const float* xsr = xs + r0 * ldxs;
-        float* yr = yp + r0 * N + p * NC;
-        with_rows<4>(rows, [&](auto r) { int4_rows_avx512<decltype(r)::value>(xr, ldx, xsr, ldxs, panel, K, group, s, b, yr, N, ncols); });
+        with_rows<4>(rows, [&](auto r) {
+          constexpr int MR = decltype(r)::value;
+          panel_passes<MR>(count, [&](int q, auto pp) {
+            constexpr int PP = decltype(pp)::value;
+            const int64_t p = pg + q;
+            int4_rows_avx512<MR, PP>(xp + r0 * ldx, ldx, xs + r0 * ldxs, ldxs, wp + p * K * (NC / 2), K * (NC / 2), K,
+                                     group, sp + p * sstride, sstride, bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC,
+                                     N, pass_ncols(N, p, PP));
+          });
+        });
       });
-    } else {
+      return;
+    }
+    for (int64_t p = pg; p < pg + count; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+      const uint8_t* panel = wp + p * K * (NC / 2);
+      const float* s = sp + p * sstride;
+      const float* b = bp ? bp + p * NC : nullptr;
       for (int64_t r = 0; r < M; ++r)
         int4_row_avx2(xp + r * ldx, xs + r * ldxs, panel, K, group, s, b, yp + r * N + p * NC, ncols);
     }
@@ -560,35 +638,81 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 // forward of several rows costs little more than one row. Not exact (activations are rounded),
 // which a drafter may be: q is whatever it sampled from.
 
-template <int MR>
+// max |x_k| over a row (exact: max does not round, so the order is free).
+__attribute__((target("avx512f"))) float row_amax(const float* x, int64_t K) {
+  __m512 m = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  float amax = _mm512_reduce_max_ps(m);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+// q_k = clamp(round(x_k op s), -127, 127), op: divide (int8_vnni) or multiply (int4_vnni, s the
+// reciprocal), rounding to nearest even as std::nearbyint does; returns sum_k q_k. Vectorized
+// (the quantization was a scalar loop costing ~10-25 us per row of 896-4864, a third of a
+// drafter's small matmul) with results identical to the scalar form.
+template <bool Divide>
+__attribute__((target("avx512f,avx512bw"))) int32_t quantize_row(const float* x, int64_t K, float s, int8_t* q) {
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  __m512i sum = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 v = Divide ? _mm512_div_ps(_mm512_loadu_ps(x + k), sv) : _mm512_mul_ps(_mm512_loadu_ps(x + k), sv);
+    const __m512i r = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+    sum = _mm512_add_epi32(sum, r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(r));
+  }
+  int32_t total = _mm512_reduce_add_epi32(sum);
+  for (; k < K; ++k) {
+    const float v = Divide ? x[k] / s : x[k] * s;
+    const int r = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(v))));
+    q[k] = static_cast<int8_t>(r);
+    total += r;
+  }
+  return total;
+}
+
+template <int MR, int PP>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_rows(const uint8_t* xq, int64_t ldxq, const float* sx,
-                                                                       const int8_t* panel, int64_t K4,
+                                                                       const int8_t* panel, int64_t pstride, int64_t K4,
                                                                        const int32_t* colsum, const float* scale,
                                                                        const float* bias, float* y, int64_t ldy,
                                                                        int ncols) {
-  __m512i acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  __m512i acc[PP][MR][2];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_si512();
   for (int64_t g = 0; g < K4 / 4; ++g) {
-    const int8_t* w = panel + g * 128;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * 128), _MM_HINT_T0);
-    const __m512i w0 = _mm512_loadu_si512(w);
-    const __m512i w1 = _mm512_loadu_si512(w + 64);
+    __m512i w[PP][2];
+    for (int q = 0; q < PP; ++q) {
+      const int8_t* wg = panel + q * pstride + g * 128;
+      _mm_prefetch(reinterpret_cast<const char*>(wg + 16 * 128), _MM_HINT_T0);
+      w[q][0] = _mm512_loadu_si512(wg);
+      w[q][1] = _mm512_loadu_si512(wg + 64);
+    }
     for (int m = 0; m < MR; ++m) {
       int32_t four;
       std::memcpy(&four, xq + m * ldxq + 4 * g, 4);
       const __m512i xb = _mm512_set1_epi32(four);
-      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], xb, w0);
-      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xb, w1);
+      for (int q = 0; q < PP; ++q) {
+        acc[q][m][0] = _mm512_dpbusd_epi32(acc[q][m][0], xb, w[q][0]);
+        acc[q][m][1] = _mm512_dpbusd_epi32(acc[q][m][1], xb, w[q][1]);
+      }
     }
   }
-  const PanelMasks pm = panel_masks(ncols);
-  const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7), c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
-  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
-  for (int m = 0; m < MR; ++m) {
-    const __m512 xs = _mm512_set1_ps(sx[m]);
-    __m512 a0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][0], c0)), _mm512_mul_ps(s0, xs));
-    __m512 a1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][1], c1)), _mm512_mul_ps(s1, xs));
-    store_row(y + m * ldy, a0, a1, bias, pm);
+  for (int q = 0; q < PP; ++q) {
+    const PanelMasks pm = panel_masks(q == PP - 1 ? ncols : NC);
+    const int32_t* cs = colsum + q * NC;
+    const float* sc = scale + q * NC;
+    const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(cs), 7), c1 = _mm512_slli_epi32(_mm512_loadu_si512(cs + 16), 7);
+    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xs = _mm512_set1_ps(sx[m]);
+      __m512 a0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[q][m][0], c0)), _mm512_mul_ps(s0, xs));
+      __m512 a1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[q][m][1], c1)), _mm512_mul_ps(s1, xs));
+      store_row(y + m * ldy + q * NC, a0, a1, bias ? bias + q * NC : nullptr, pm);
+    }
   }
 }
 
@@ -616,12 +740,12 @@ torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& pack
   uint8_t* qp = xq.data_ptr<uint8_t>();
   float* sp = sx.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xp[m * ldx + k]));
+    const float amax = row_amax(xp + m * ldx, K);
     const float s = amax > 0 ? amax / 127.0f : 1.0f;
     sp[m] = s;
-    for (int64_t k = 0; k < K; ++k)
-      qp[m * K4 + k] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(xp[m * ldx + k] / s)) + 128);
+    int8_t* row = reinterpret_cast<int8_t*>(qp + m * K4);
+    quantize_row<true>(xp + m * ldx, K, s, row);
+    for (int64_t k = 0; k < K; ++k) qp[m * K4 + k] = static_cast<uint8_t>(row[k] + 128);
   }
   // 2. the int8 products, panels split between the threads
   auto y = torch::empty({M, N}, x.options());
@@ -630,15 +754,139 @@ torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& pack
   const float* scp = scale.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  for_panels(P, [&](int64_t p) {
-    const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
-    const int8_t* panel = wp + p * K4 * NC;
-    const float* b = bp ? bp + p * NC : nullptr;
+  for_panel_groups(P, [&](int64_t pg, int count) {
     run_rows(M, MR512, [&](int64_t r0, int rows) {
-      const uint8_t* xr = qp + r0 * K4;
-      const float* sr = sp + r0;
-      float* yr = yp + r0 * N + p * NC;
-      with_rows<8>(rows, [&](auto r) { vnni_rows<decltype(r)::value>(xr, K4, sr, panel, K4, cp + p * NC, scp + p * NC, b, yr, N, ncols); });
+      with_rows<8>(rows, [&](auto r) {
+        constexpr int MR = decltype(r)::value;
+        panel_passes<MR>(count, [&](int q, auto pp) {
+          constexpr int PP = decltype(pp)::value;
+          const int64_t p = pg + q;
+          vnni_rows<MR, PP>(qp + r0 * K4, K4, sp + r0, wp + p * K4 * NC, K4 * NC, K4, cp + p * NC, scp + p * NC,
+                            bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
+        });
+      });
+    });
+  });
+  return y;
+}
+
+// ---- int4 x int8 (AVX-512 VNNI): a drafter's cheapest token ----------------------------------
+// The int4 weights of "int4_native" (0..15, w = (q - 8) * s per column and group of G k) times
+// int8 activations quantized per row (symmetric, sx = max|x| / 127, xq in -127..127), int32 sums
+// per group: y = sx * sum_g s_g * (dot_g(q, xq) - 8 * sum_g(xq)) (+ bias). Why: with fp32
+// arithmetic (int4_native) every weight costs an unpack, a conversion and an FMA lane, so one
+// row runs at ~2x the time its bytes need; vpdpbusd multiplies 64 unsigned nibble values by 64
+// signed bytes per instruction, with only a mask and a shift to unpack. Packed [P, K4 / 4, 64]
+// bytes: per four consecutive k, byte 4c + j holds column c (low nibble) and column c + 16 (high
+// nibble) at k = 4 g + j, the operand order of vpdpbusd. Not exact (activations rounded), which
+// a drafter may be. Row-invariant: integer sums are exact and each row's float steps run in one
+// order whatever the other rows.
+
+template <int MR, int PP>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_vnni_rows(const int8_t* xq, int64_t ldxq,
+                                                                            const int32_t* xsum, int64_t ldxs,
+                                                                            const float* sx, const uint8_t* panel,
+                                                                            int64_t pstride, int64_t K, int64_t G,
+                                                                            const float* scales, int64_t sstride,
+                                                                            const float* bias, float* y, int64_t ldy,
+                                                                            int ncols) {
+  __m512 acc[PP][MR][2];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m512i iacc[PP][MR][2];
+    for (int q = 0; q < PP; ++q)
+      for (int m = 0; m < MR; ++m) iacc[q][m][0] = iacc[q][m][1] = _mm512_setzero_si512();
+    for (int64_t k4 = g * G / 4; k4 < (g + 1) * G / 4; ++k4) {
+      __m512i w[PP][2];
+      for (int q = 0; q < PP; ++q) {
+        const uint8_t* wg = panel + q * pstride + k4 * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wg + 16 * 64), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wg);
+        w[q][0] = _mm512_and_si512(v, low);
+        w[q][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t four;
+        std::memcpy(&four, xq + m * ldxq + 4 * k4, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int q = 0; q < PP; ++q) {
+          iacc[q][m][0] = _mm512_dpbusd_epi32(iacc[q][m][0], w[q][0], xb);
+          iacc[q][m][1] = _mm512_dpbusd_epi32(iacc[q][m][1], w[q][1], xb);
+        }
+      }
+    }
+    for (int q = 0; q < PP; ++q) {
+      const float* sg = scales + q * sstride + g * NC;
+      const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i off = _mm512_set1_epi32(8 * xsum[m * ldxs + g]);
+        acc[q][m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[q][m][0], off)), s0, acc[q][m][0]);
+        acc[q][m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[q][m][1], off)), s1, acc[q][m][1]);
+      }
+    }
+  }
+  for (int q = 0; q < PP; ++q) {
+    const PanelMasks pm = panel_masks(q == PP - 1 ? ncols : NC);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xs = _mm512_set1_ps(sx[m]);
+      store_row(y + m * ldy + q * NC, _mm512_mul_ps(acc[q][m][0], xs), _mm512_mul_ps(acc[q][m][1], xs),
+                bias ? bias + q * NC : nullptr, pm);
+    }
+  }
+}
+
+torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                               int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(has_vnni(), "the int4 x int8 kernel needs AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && (x.stride(1) == 1 || x.size(1) == 1), "x must be 2-D fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 64,
+              "packed weight must be [P, K / 4, 64] uint8");
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
+  TORCH_CHECK(packed.size(1) * 4 == K, "x has K = ", K, ", the weight ", packed.size(1) * 4);
+  TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, "K = ", K, " is not a multiple of the group size ", group);
+  TORCH_CHECK(N > (P - 1) * NC && N <= P * NC, "N = ", N, " does not match ", P, " panels");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == P && scales.size(1) == K / group && scales.size(2) == NC,
+              "scales must be [P, K / group, 32] fp32");
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias must be [N] fp32");
+  // 1. quantize each row: xq = round(x / sx), sx = max|x| / 127; per group the sum of xq
+  const int64_t ldxs = K / group;
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto xsum = torch::empty({M, ldxs}, x.options().dtype(torch::kInt32));
+  auto sx = torch::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  int32_t* xs = xsum.data_ptr<int32_t>();
+  float* sp = sx.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float amax = row_amax(xp + m * ldx, K);
+    const float s = amax > 0 ? amax / 127.0f : 1.0f;
+    const float inv = 1.0f / s;
+    sp[m] = s;
+    for (int64_t g = 0; g < ldxs; ++g)
+      xs[m * ldxs + g] = quantize_row<false>(xp + m * ldx + g * group, group, inv, qp + m * K + g * group);
+  }
+  // 2. the products, panels split between the threads
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* scp = scales.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t sstride = (K / group) * NC, pstride = K / 4 * 64;
+  for_panel_groups(P, [&](int64_t pg, int count) {
+    run_rows(M, 4, [&](int64_t r0, int rows) {
+      with_rows<4>(rows, [&](auto r) {
+        constexpr int MR = decltype(r)::value;
+        panel_passes<MR>(count, [&](int q, auto pp) {
+          constexpr int PP = decltype(pp)::value;
+          const int64_t p = pg + q;
+          int4_vnni_rows<MR, PP>(qp + r0 * K, K, xs + r0 * ldxs, ldxs, sp + r0, wp + p * pstride, pstride, K, group,
+                                 scp + p * sstride, sstride, bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N,
+                                 pass_ncols(N, p, PP));
+        });
+      });
     });
   });
   return y;
@@ -684,6 +932,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "softmax(scaling q k^T + mask) v over the cache, [B, n, H, D] out; no mask: causal",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scaling") = 1.0);
   m.def("has_vnni", &has_vnni, "whether the int8 x int8 kernel (AVX-512 VNNI) runs here");
+  m.def("linear_int4_vnni", &linear_int4_vnni,
+        "y = sx * sum_g s_g (xq . Q_g - 8 sum_g xq) (+ bias): int4 weights packed [P, K / 4, 64], activations int8 per row",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("N"), py::arg("bias") = py::none());
   m.def("linear_int8_vnni", &linear_int8_vnni, "y = (xq @ Q^T) * sx * scale (+ bias), activations quantized per row",
         py::arg("x"), py::arg("packed"), py::arg("colsum"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm: weight * (x * rsqrt(mean(x^2) + eps))", py::arg("x"),
