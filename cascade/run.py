@@ -48,6 +48,7 @@ from cascade.data import encode, load_prompts
 from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interleaved, summarize_methods
 from cascade.metrics import write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
+from cascade.models.loading import shared_models
 from cascade.summary import Environment, MethodSummary, RunSummary
 from cascade.types import DrafterInfo, SamplingConfig
 from cascade.verify import VERIFIERS, verifier_named
@@ -208,8 +209,9 @@ def run(cfg: DictConfig) -> RunSummary:
     torch.set_num_threads(cfg.threads)
 
     m = cfg.models
-    target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
-    methods = {name: build_method(mcfg, verify_rule(cfg, mcfg)) for name, mcfg in method_configs(cfg).items()}
+    with shared_models():  # methods naming the same model share one copy
+        target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+        methods = {name: build_method(mcfg, verify_rule(cfg, mcfg)) for name, mcfg in method_configs(cfg).items()}
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 

@@ -4,7 +4,8 @@ backend side by side in one process, and where the time goes (per component).
 This is the slack speculative verification lives on. Backends: bf16 (transformers' kernels),
 fp32, fp32 with oneDNN linears, fp16 weights with fp32 arithmetic through FBGEMM
 (``dtype="fp16w"``, ``cascade.models.cpu_kernels``) or through cascade's native row-invariant
-kernels (``native``: ``dtype="native"``, ``cascade.models.native``, with its lean forward;
+kernels (``native``: ``dtype="native"``, ``cascade.models.native``, with its lean forward, each
+layer two native calls; ``native_ops``: the lean forward a Python call per operation;
 ``native_hf``: the same kernels under transformers' own forward), and the drafters' quantized
 copies (``int8``: torch's dynamic int8; ``int8n`` / ``int4n``: the native weight-only kernels;
 ``int8v`` / ``int4v``: native int8 / int4 weights times int8 activations quantized per row,
@@ -38,6 +39,7 @@ import torch
 import transformers
 
 from cascade import load_model
+from cascade.models.lean import FusedLayer, LeanDecoder
 from cascade.theory import forward_floor_s
 from cascade.timing import median_s, read_bandwidth
 
@@ -106,8 +108,16 @@ def component_times(lm, k: int, repeats: int) -> dict[str, float]:
     kernel alone on the lean forward (which calls no attention module: its RoPE and cache write
     fall in other); mlp: the MLP module on transformers' forward, its three linears on the lean
     forward (the activation then falls in other); lm_head; other: the rest (embedding, norms,
-    framework)."""
+    framework). A lean forward with two-call layers is timed as its per-operation twin (hooks
+    see only module calls): what the two calls save shows in the main table, not here."""
     from cascade.models import native
+
+    if lm.lean is not None and any(isinstance(layer, FusedLayer) for layer in lm.lean.layers):
+        fused, lm.lean = lm.lean, LeanDecoder(lm.model, fused_layers=False)
+        try:
+            return component_times(lm, k, repeats)
+        finally:
+            lm.lean = fused
 
     spent: dict[str, float] = defaultdict(float)
     start: dict[int, float] = {}
@@ -166,8 +176,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", default="bf16,fp16w,native,native_hf,int8",
-                    help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, dispatch, native, native_hf, int8, int8n, int8v, "
-                         "int4n, int4v (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
+                    help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, dispatch, native, native_ops, native_hf, int8, int8n, int8v, "
+                         "int4n, int4v, int4v_ops (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prefill timed per backend (0: skip)")
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
                     help="skip measuring bandwidth and peak FLOP/s (about 10 s and 1 GiB of memory)")
@@ -177,9 +187,10 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     known = {"bf16": dict(dtype="bfloat16"), "fp32": dict(dtype="float32"), "fp32+oneDNN": dict(dtype="float32", onednn=True),
              "fp16w": dict(dtype="fp16w"), "dispatch": dict(dtype="dispatch"), "native": dict(dtype="native"),
-             "native_hf": dict(dtype="native", lean=False),
+             "native_hf": dict(dtype="native", lean=False), "native_ops": dict(dtype="native", lean="ops"),
              "int8": dict(quantize="int8_dynamic"), "int8n": dict(quantize="int8_native"), "int8v": dict(quantize="int8_vnni"),
-             "int4n": dict(quantize="int4_native"), "int4v": dict(quantize="int4_vnni")}
+             "int4n": dict(quantize="int4_native"), "int4v": dict(quantize="int4_vnni"),
+             "int4v_ops": dict(quantize="int4_vnni", lean="ops")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
@@ -191,6 +202,8 @@ def main() -> None:
         lms[name] = load_model(args.model, **kwargs)
         if not lean:  # the native kernels under transformers' own forward: what the lean forward saves
             lms[name].lean = None
+        elif lean == "ops":  # the lean forward one Python call per operation: what the two-call layers save
+            lms[name].lean = LeanDecoder(lms[name].model, fused_layers=False)
     first = next(iter(lms.values()))
     params = linear_params(first)
     head = first.model.get_output_embeddings()
@@ -216,9 +229,9 @@ def main() -> None:
 
 # bytes each backend streams per linear weight (dispatch: fp16 copies; int8: one byte plus a
 # scale per tensor; int8n: per channel; int4n: half a byte plus an fp32 scale per 64 weights)
-BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "native_hf": 2, "int8": 1, "int8n": 1,
-                    "int8v": 1, "int4n": 0.5 + 4 / 64, "int4v": 0.5 + 4 / 64}
-EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
+BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "native_ops": 2, "native_hf": 2, "int8": 1, "int8n": 1,
+                    "int8v": 1, "int4n": 0.5 + 4 / 64, "int4v": 0.5 + 4 / 64, "int4v_ops": 0.5 + 4 / 64}
+EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native", "native_ops", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
 
 
 def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params: int, prefill: dict[str, float],

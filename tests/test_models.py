@@ -248,3 +248,18 @@ def test_dispatch_backend_keeps_greedy_equality_and_refuses_inexact_fp16(tmp_pat
         assert chosen == {"4x2 (fp32 only)": ["onednn"] * 8}
     with pytest.raises(ValueError, match="dispatch"):
         load_model("tiny:0", dtype="dispatch", onednn=True)
+
+
+def test_shared_models_load_one_copy_per_set_of_arguments():
+    """Inside shared_models() (each cascade.run), the same arguments give the same model object
+    and others a model of their own; outside it every call loads afresh."""
+    from cascade.models.loading import load_model, shared_models
+
+    with shared_models():
+        a = load_model("tiny:0", dtype="float64")
+        assert load_model("tiny:0", dtype="float64") is a
+        assert load_model("tiny:0", dtype="float32") is not a
+        assert load_model("tiny:1", dtype="float64") is not a
+        with shared_models():  # nested: the same table
+            assert load_model("tiny:0", dtype="float64") is a
+    assert load_model("tiny:0", dtype="float64") is not a

@@ -224,15 +224,20 @@ def test_attention_matches_reference_and_is_row_invariant():
 def tiny_native():
     """A tiny random Llama whose weights fp16 holds exactly (as the zoo's bf16 checkpoints), on
     the native backend as ``load_model(dtype="native")`` sets it up."""
+    return _native_tiny(hidden_size=32, num_layers=4)
+
+
+def _native_tiny(hidden_size: int, num_layers: int):
     from cascade.models.lean import attach_lean
     from cascade.models.tiny import tiny_llama
 
-    lm = tiny_llama(vocab_size=256, num_layers=4, seed=0, dtype=torch.float32, device="cpu", name="tiny:0 fp16-exact")
+    lm = tiny_llama(vocab_size=256, hidden_size=hidden_size, num_layers=num_layers, seed=0, dtype=torch.float32,
+                    device="cpu", name=f"tiny:0 fp16-exact h{hidden_size}")
     with torch.no_grad():
         for p in lm.model.parameters():
             p.copy_(p.half().float())
     swapped, kept = swap_linears(lm.model, NativeFP16Linear)
-    assert kept == [] and swapped == 4 * 7 + 1
+    assert kept == [] and swapped == num_layers * 7 + 1
     attach_lean(lm)
     return lm
 
@@ -240,8 +245,48 @@ def tiny_native():
 def test_tiny_model_runs_the_lean_forward(tiny_native):
     from cascade.models.lean import LeanDecoder
 
+    from cascade.models.lean import FusedLayer
+
     assert isinstance(tiny_native.lean, LeanDecoder)
+    assert all(isinstance(layer, FusedLayer) for layer in tiny_native.lean.layers)  # two native calls per layer
     assert tiny_native.model.config._attn_implementation == "cascade_native"
+
+
+@pytest.mark.parametrize("quantize", [None, "int8_native", "int8_vnni", "int4_native", "int4_vnni"])
+def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
+    """Each kernel kind through the two-call layer (LinearOp) equals the per-op Python layer bit
+    for bit: a chain step, a block with hidden states, and a tree-masked forward (a model 64 wide,
+    so that int4's groups of 64 fit every layer)."""
+    from cascade.models.lean import FusedLayer, LeanDecoder, OpsLayer
+    from cascade.models.quantize import quantized_copy
+    from cascade.tree import tree_mask, tree_positions
+
+    if quantize and quantize.endswith("_vnni") and not _vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    base = _native_tiny(hidden_size=64, num_layers=2)
+    lm = base if quantize is None else quantized_copy(base, quantize)
+    fused, ops = lm.lean, LeanDecoder(lm.model, fused_layers=False)
+    assert all(isinstance(layer, FusedLayer) for layer in fused.layers)
+    assert all(isinstance(layer, OpsLayer) for layer in ops.layers)
+
+    def run():
+        cache = lm.new_cache()
+        first = lm.forward(list(range(3, 30)), cache)
+        block, hidden = lm.forward([5, 9, 11, 17], cache, return_hidden=1)
+        past = lm.cache_len(cache)
+        parents = [-1, 0, 0, 1]
+        tree = lm.forward([4, 8, 12, 16, 20], cache, position_ids=tree_positions(parents, past),  # [root] + nodes
+                          attention_mask=tree_mask(parents, past))
+        return first, block, hidden, tree
+
+    try:
+        a = run()
+        lm.lean = ops
+        b = run()
+    finally:
+        lm.lean = fused
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
 
 
 def _both_paths(lm, fn):

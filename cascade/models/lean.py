@@ -8,8 +8,9 @@ no per-layer keyword plumbing or output records, no ``generate``-oriented checks
 model's own linears, the native attention, and one native call each for the two RMSNorms, the
 rotary embedding of q and of k and the gated activation (the same ATen operations in the same
 order as transformers', so bitwise the same: checked once per model for the norms, which fall
-back to the model's modules otherwise). The logits are bitwise those of the transformers
-forward with the same kernels (tested).
+back to the model's modules otherwise), and where both norms are fused the whole layer as two
+native calls around the cache update (:class:`FusedLayer`). The logits are bitwise those of the
+transformers forward with the same kernels (tested).
 
 It keeps what the loop relies on: explicit positions, a 4D additive attention mask (trees),
 hidden states after a layer or after the final norm (heads, adapters), and the cache: the
@@ -19,6 +20,7 @@ model's own ``DynamicCache`` (its layers' ``update``), so crop and compaction ar
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -52,42 +54,45 @@ def lean_unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def _fused_norm(module: nn.Module):
+@dataclass(frozen=True)
+class FusedNorm:
+    """transformers' RMSNorm as one native call (``weight * (x * rsqrt(mean(x^2) + eps))``)."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return native.native_kernels().rms_norm(h, self.weight, self.eps)
+
+
+def _fused_norm(module: nn.Module) -> FusedNorm | nn.Module:
     """The native one-call RMSNorm for ``module`` if it computes bitwise what the module does
     (checked on a random input), else the module itself."""
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if eps is None or weight is None:
         return module
+    fused = FusedNorm(weight, float(eps))
     x = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    kernels = native.native_kernels()
     with torch.inference_mode():
-        if not torch.equal(kernels.rms_norm(x, weight, float(eps)), module(x)):
+        if not torch.equal(fused(x), module(x)):
             return module
-    return lambda h: kernels.rms_norm(h, weight, float(eps))
+    return fused
 
 
-class LeanDecoder:
-    """The lean forward of one model (built once per ``CausalLM`` by :func:`load_model`)."""
+class OpsLayer:
+    """One decoder layer, operation by operation from Python: the model's linears, the native
+    attention, the norms (fused where bitwise, else the modules), RoPE and the activation."""
 
-    def __init__(self, model: nn.Module) -> None:
-        reason = lean_unsupported(model)
-        if reason is not None:
-            raise ValueError(f"lean forward unsupported: {reason}")
-        base = model.model
-        self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
-        self.head = model.get_output_embeddings()
-        attn = self.layers[0].self_attn
-        self.head_dim = int(attn.head_dim)
-        self.scaling = float(attn.scaling)
+    def __init__(self, layer: nn.Module, in_norm, post_norm, head_dim: int, scaling: float) -> None:
+        self.layer, self.in_norm, self.post_norm = layer, in_norm, post_norm
+        self.head_dim, self.scaling = head_dim, scaling
         self.kernels = native.native_kernels()
-        # per layer: (input norm, post-attention norm) as one native call each where bitwise the module
-        self.norms = [(_fused_norm(layer.input_layernorm), _fused_norm(layer.post_attention_layernorm)) for layer in self.layers]
-        self.final_norm = _fused_norm(self.norm)
 
-    def _attention(self, layer: nn.Module, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache, mask: torch.Tensor | None) -> torch.Tensor:  # x [n, E] -> [n, E]
-        attn, n, d = layer.self_attn, x.shape[0], self.head_dim
+    def __call__(self, h: torch.Tensor, index: int, cos: torch.Tensor, sin: torch.Tensor, cache,
+                 mask: torch.Tensor | None) -> torch.Tensor:  # h [n, E] -> [n, E]
+        attn, n, d = self.layer.self_attn, h.shape[0], self.head_dim
+        x = self.in_norm(h)
         q = attn.q_proj(x).view(1, n, -1, d).transpose(1, 2)  # [1, H, n, D]
         k = attn.k_proj(x).view(1, n, -1, d).transpose(1, 2)  # [1, Hkv, n, D]
         v = attn.v_proj(x).view(1, n, -1, d).transpose(1, 2)
@@ -95,7 +100,54 @@ class LeanDecoder:
         k = self.kernels.rope(k, cos, sin)
         keys, values = cache.update(k, v, index)  # [1, Hkv, L, D] (the cache's own layer)
         out = native.attention_kernel(q, keys, values, mask, self.scaling)  # [1, n, H, D]
-        return attn.o_proj(out.reshape(n, -1))
+        h = h + attn.o_proj(out.reshape(n, -1))
+        mlp = self.layer.mlp
+        x = self.post_norm(h)
+        return h + mlp.down_proj(self.kernels.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
+class FusedLayer:
+    """The same layer as two native calls around the cache update (``layer_qkv``: norm,
+    projections, RoPE; ``layer_rest``: attention, o_proj, residual, norm, MLP, residual): the
+    same operations in the same order, so bitwise :class:`OpsLayer`, without the interpreter's
+    work between them. Needs both norms fused."""
+
+    def __init__(self, layer: nn.Module, in_norm: FusedNorm, post_norm: FusedNorm, head_dim: int, scaling: float) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = (attn.q_proj.op(), attn.k_proj.op(), attn.v_proj.op())
+        self.rest = (attn.o_proj.op(), post_norm.weight, post_norm.eps, mlp.gate_proj.op(), mlp.up_proj.op(),
+                     mlp.down_proj.op())
+        self.in_norm, self.head_dim, self.scaling = in_norm, head_dim, scaling
+        self.kernels = native.native_kernels()
+
+    def __call__(self, h: torch.Tensor, index: int, cos: torch.Tensor, sin: torch.Tensor, cache,
+                 mask: torch.Tensor | None) -> torch.Tensor:  # h [n, E] -> [n, E]
+        q, k, v = self.kernels.layer_qkv(h, self.in_norm.weight, self.in_norm.eps, *self.qkv, cos, sin, self.head_dim)
+        keys, values = cache.update(k, v, index)  # [1, Hkv, L, D]
+        return self.kernels.layer_rest(h, q, keys, values, mask, self.scaling, *self.rest)
+
+
+class LeanDecoder:
+    """The lean forward of one model (built once per ``CausalLM`` by :func:`load_model`).
+    ``fused_layers``: run each layer whose norms are fused as :class:`FusedLayer` (default), else
+    every layer as :class:`OpsLayer` (bitwise the same; what the fused calls save is measured by
+    ``experiments/forward_cost.py``'s ``native_ops`` backend)."""
+
+    def __init__(self, model: nn.Module, fused_layers: bool = True) -> None:
+        reason = lean_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"lean forward unsupported: {reason}")
+        base = model.model
+        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
+        self.head = model.get_output_embeddings()
+        attn = base.layers[0].self_attn
+        head_dim, scaling = int(attn.head_dim), float(attn.scaling)
+        self.layers = []
+        for layer in base.layers:
+            in_norm, post_norm = _fused_norm(layer.input_layernorm), _fused_norm(layer.post_attention_layernorm)
+            fused = fused_layers and isinstance(in_norm, FusedNorm) and isinstance(post_norm, FusedNorm)
+            self.layers.append((FusedLayer if fused else OpsLayer)(layer, in_norm, post_norm, head_dim, scaling))
+        self.final_norm = _fused_norm(self.norm)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -110,12 +162,8 @@ class LeanDecoder:
         mask = None if attention_mask is None else attention_mask.float()
         wanted = return_hidden if isinstance(return_hidden, tuple) else (return_hidden,)
         kept: dict[int, torch.Tensor] = {}  # layer index -> hidden states [n, E]
-        silu_mul = self.kernels.silu_mul  # silu(gate) * up: the activation lean_unsupported admits
-        for index, (layer, (in_norm, post_norm)) in enumerate(zip(self.layers, self.norms)):
-            h = h + self._attention(layer, index, in_norm(h), cos, sin, cache, mask)
-            mlp = layer.mlp
-            x = post_norm(h)
-            h = h + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        for index, layer in enumerate(self.layers):
+            h = layer(h, index, cos, sin, cache, mask)
             if index + 1 in wanted:
                 kept[index + 1] = h
         h = self.final_norm(h)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -84,6 +86,24 @@ def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.devic
     return CausalLM(model=model, tokenizer=tokenizer, name=str(source))
 
 
+_shared: dict[tuple, CausalLM] | None = None  # load_model's arguments -> its model, inside shared_models()
+
+
+@contextmanager
+def shared_models() -> Iterator[None]:
+    """Inside the block, :func:`load_model` returns one model per distinct set of arguments: the
+    methods of a run that name the same drafter model (the 0.5B of a chain and of a cascade, the
+    int8 0.5B of a chain and of DyTC) hold one copy instead of one each. Models hold no decoding
+    state (each drafter keeps its own caches), so sharing changes no result; it bounds a
+    many-method benchmark's memory (each 0.5B copy also keeps a 0.5 GB fp32 embedding)."""
+    global _shared
+    outer, _shared = _shared, ({} if _shared is None else _shared)
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
 def load_model(
     name_or_path: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -117,6 +137,17 @@ def load_model(
     see ``cascade.models.quantize``) loads a quantized copy, for drafters. The CPU methods load
     fp32 whatever ``dtype`` says.
     """
+    key = (str(name_or_path), str(dtype), str(device), bool(onednn), quantize)
+    if _shared is not None and key in _shared:
+        return _shared[key]
+    lm = _load_model(name_or_path, dtype, device, onednn, quantize)
+    if _shared is not None:
+        _shared[key] = lm
+    return lm
+
+
+def _load_model(name_or_path: str | Path, dtype: str | torch.dtype, device: str | torch.device | None, onednn: bool,
+                quantize: str | None) -> CausalLM:
     device = resolve_device(device)
     if dtype == "auto":  # (a quantized load chooses its own dtype)
         dtype, onednn = auto_backend(device) if quantize is None else (torch.float32, False)

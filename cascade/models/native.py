@@ -178,6 +178,12 @@ class NativeLinear(nn.Module):
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:  # [M, in] fp32 -> [M, out]
         raise NotImplementedError
 
+    def op(self):
+        """This layer as the extension's ``LinearOp`` (the same kernel and tensors as
+        ``_matmul``), for the lean forward's two-call layer; made on demand, not held, so that
+        modules still deep-copy."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1:  # the lean forward's rows: no reshaping
             return self._matmul(x)
@@ -209,6 +215,9 @@ class NativeFP16Linear(NativeLinear):
     def _matmul(self, x2d):
         return _ext().linear_fp16(x2d, self.packed, self.out_features, self.bias)
 
+    def op(self):
+        return _ext().LinearOp(kind=0, packed=self.packed, N=self.out_features, bias=self.bias)
+
 
 class NativeInt8Linear(NativeLinear):
     """int8 weights, one scale per output channel, fp32 activations and arithmetic (a drafter's)."""
@@ -224,6 +233,9 @@ class NativeInt8Linear(NativeLinear):
 
     def _matmul(self, x2d):
         return _ext().linear_int8(x2d, self.packed, self.scale, self.out_features, self.bias)
+
+    def op(self):
+        return _ext().LinearOp(kind=1, packed=self.packed, scale=self.scale, N=self.out_features, bias=self.bias)
 
 
 class NativeInt8VNNILinear(NativeLinear):
@@ -256,6 +268,10 @@ class NativeInt8VNNILinear(NativeLinear):
     def _matmul(self, x2d):
         return _ext().linear_int8_vnni(x2d, self.packed, self.colsum, self.scale, self.out_features, self.bias)
 
+    def op(self):
+        return _ext().LinearOp(kind=2, packed=self.packed, scale=self.scale, colsum=self.colsum, N=self.out_features,
+                               bias=self.bias)
+
 
 class NativeInt4Linear(NativeLinear):
     """int4 weights, one scale per output column and group of 64 along K (a drafter's)."""
@@ -274,6 +290,10 @@ class NativeInt4Linear(NativeLinear):
 
     def _matmul(self, x2d):
         return _ext().linear_int4(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
+
+    def op(self):
+        return _ext().LinearOp(kind=3, packed=self.packed, scale=self.scales, group=self.group, N=self.out_features,
+                               bias=self.bias)
 
 
 def pack_int4_vnni(q: torch.Tensor) -> torch.Tensor:
@@ -314,6 +334,10 @@ class NativeInt4VNNILinear(NativeLinear):
 
     def _matmul(self, x2d):
         return _ext().linear_int4_vnni(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
+
+    def op(self):
+        return _ext().LinearOp(kind=4, packed=self.packed, scale=self.scales, group=self.group, N=self.out_features,
+                               bias=self.bias)
 
 
 ATTENTION = "cascade_native"  # the name the attention function is registered under in transformers

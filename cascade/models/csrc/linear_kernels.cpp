@@ -913,6 +913,59 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) { return torch::silu(gate) * up; }
 
+// ---- the lean forward's decoder layer in two calls ------------------------------------------
+// What a layer of the lean forward does between its cache update, as two calls: the Python
+// interpreter's work between ~20 small operations per layer was ~0.15-0.2 ms of a drafter's
+// layer (a third of the int4 0.5B's token). The same operations, in the same order, on the same
+// kernels as the per-op path (cascade/models/lean.py), so the results are bitwise the same
+// (tested against transformers' forward).
+
+// A native linear layer as these calls run it: which kernel, and the tensors it reads (shared
+// with the Python module that made it; nothing is copied).
+struct LinearOp {
+  enum Kind { fp16 = 0, int8 = 1, int8_vnni = 2, int4 = 3, int4_vnni = 4 };
+  int64_t kind;
+  torch::Tensor packed, scale, colsum;  // scale: int8 [P*32] / int4 scales [P, K/G, 32]; colsum: int8_vnni
+  int64_t group, N;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (kind) {
+      case fp16: return linear_fp16(x, packed, N, bias);
+      case int8: return linear_int8(x, packed, scale, N, bias);
+      case int8_vnni: return linear_int8_vnni(x, packed, colsum, scale, N, bias);
+      case int4: return linear_int4(x, packed, scale, group, N, bias);
+      case int4_vnni: return linear_int4_vnni(x, packed, scale, group, N, bias);
+    }
+    TORCH_CHECK(false, "unknown LinearOp kind ", kind);
+  }
+};
+
+// h [n, E] -> q [1, H, n, D], k, v [1, Hkv, n, D]: the input norm, the projections, RoPE on q and k.
+std::vector<torch::Tensor> layer_qkv(const torch::Tensor& h, const torch::Tensor& norm_weight, double eps,
+                                     const LinearOp& q_proj, const LinearOp& k_proj, const LinearOp& v_proj,
+                                     const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
+  const int64_t n = h.size(0);
+  auto x = rms_norm(h, norm_weight, eps);
+  auto q = q_proj(x).view({1, n, -1, head_dim}).transpose(1, 2);
+  auto k = k_proj(x).view({1, n, -1, head_dim}).transpose(1, 2);
+  auto v = v_proj(x).view({1, n, -1, head_dim}).transpose(1, 2);
+  return {rope(q, cos, sin), rope(k, cos, sin), v};
+}
+
+// The rest of the layer once the cache holds this call's keys: attention over keys / values
+// [1, Hkv, L, D], o_proj, the residual, the post-attention norm, the gated MLP, the residual.
+torch::Tensor layer_rest(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& keys,
+                         const torch::Tensor& values, const c10::optional<torch::Tensor>& mask, double scaling,
+                         const LinearOp& o_proj, const torch::Tensor& norm_weight, double eps, const LinearOp& gate_proj,
+                         const LinearOp& up_proj, const LinearOp& down_proj) {
+  const int64_t n = h.size(0);
+  auto out = attention(q, keys, values, mask, scaling);  // [1, n, H, D]
+  auto h1 = h + o_proj(out.reshape({n, -1}));
+  auto x = rms_norm(h1, norm_weight, eps);
+  return h1 + down_proj(silu_mul(gate_proj(x), up_proj(x)));
+}
+
 std::string isa_name() {
   switch (isa()) {
     case Isa::avx512: return "avx512";
@@ -924,6 +977,22 @@ std::string isa_name() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<LinearOp>(m, "LinearOp", "a native linear layer as layer_qkv / layer_rest run it")
+      .def(py::init([](int64_t kind, torch::Tensor packed, c10::optional<torch::Tensor> scale,
+                       c10::optional<torch::Tensor> colsum, int64_t group, int64_t N, c10::optional<torch::Tensor> bias) {
+             TORCH_CHECK(kind >= LinearOp::fp16 && kind <= LinearOp::int4_vnni, "unknown LinearOp kind ", kind);
+             return LinearOp{kind, packed, scale ? *scale : torch::Tensor(), colsum ? *colsum : torch::Tensor(), group, N, bias};
+           }),
+           py::arg("kind"), py::arg("packed"), py::arg("scale") = py::none(), py::arg("colsum") = py::none(),
+           py::arg("group") = 0, py::arg("N"), py::arg("bias") = py::none())
+      .def("__call__", &LinearOp::operator(), py::arg("x"));
+  m.def("layer_qkv", &layer_qkv, "input norm, q / k / v projections, RoPE on q and k: [q, k, v]", py::arg("h"),
+        py::arg("norm_weight"), py::arg("eps"), py::arg("q_proj"), py::arg("k_proj"), py::arg("v_proj"), py::arg("cos"),
+        py::arg("sin"), py::arg("head_dim"));
+  m.def("layer_rest", &layer_rest, "attention over the cache, o_proj, residual, post norm, gated MLP, residual",
+        py::arg("h"), py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("scaling"),
+        py::arg("o_proj"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_proj"), py::arg("up_proj"),
+        py::arg("down_proj"));
   m.def("isa", &isa_name, "the instruction set the kernels run on: avx512, avx2 or none");
   m.def("linear_fp16", &linear_fp16, "y = x @ W^T (+ bias), W packed fp16 [P, K, 32]", py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none());
