@@ -54,7 +54,7 @@ def lean_unsupported(model: nn.Module) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FusedNorm:
     """transformers' RMSNorm as one native call (``weight * (x * rsqrt(mean(x^2) + eps))``)."""
 
