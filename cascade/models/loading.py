@@ -137,6 +137,7 @@ def load_model(
     see ``cascade.models.quantize``) loads a quantized copy, for drafters. The CPU methods load
     fp32 whatever ``dtype`` says.
     """
+    device = resolve_device(device)  # (None and the device it resolves to are one key)
     key = (str(name_or_path), str(dtype), str(device), bool(onednn), quantize)
     if _shared is not None and key in _shared:
         return _shared[key]
@@ -146,9 +147,8 @@ def load_model(
     return lm
 
 
-def _load_model(name_or_path: str | Path, dtype: str | torch.dtype, device: str | torch.device | None, onednn: bool,
+def _load_model(name_or_path: str | Path, dtype: str | torch.dtype, device: torch.device, onednn: bool,
                 quantize: str | None) -> CausalLM:
-    device = resolve_device(device)
     if dtype == "auto":  # (a quantized load chooses its own dtype)
         dtype, onednn = auto_backend(device) if quantize is None else (torch.float32, False)
     backend = dtype if dtype in ("fp16w", "dispatch", "native") else None

@@ -276,15 +276,18 @@ class NativeInt8VNNILinear(NativeLinear):
 class NativeInt4Linear(NativeLinear):
     """int4 weights, one scale per output column and group of 64 along K (a drafter's)."""
 
+    pack = staticmethod(pack_int4)  # [N, K] 0..15 -> this kernel's byte layout ([P, K, 16])
+    unpack = staticmethod(unpack_int4)
+
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
         super().__init__(linear)
         q, scale = quantize_int4(linear.weight, group)
         self.group = group
-        self.packed = pack_int4(q)  # [P, K, 16] uint8
+        self.packed = self.pack(q)  # uint8
         self.scales = _panels(scale)  # [P, K / G, 32]
 
     def dense_weight(self) -> torch.Tensor:
-        q = unpack_int4(self.packed, self.out_features).float() - 8  # [N, K]
+        q = self.unpack(self.packed, self.out_features).float() - 8  # [N, K]
         scale = _unpanel(self.scales, self.out_features)  # [N, K / G]
         return q * scale.repeat_interleave(self.group, dim=1)
 
@@ -313,24 +316,19 @@ def unpack_int4_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
     return _unpanel(panels, n)
 
 
-class NativeInt4VNNILinear(NativeLinear):
-    """The int4 weights of :class:`NativeInt4Linear` times int8 activations quantized per row at
-    each call, int32 sums per group (AVX-512 VNNI): a drafter's token at its bytes' cost, where
-    fp32 arithmetic on int4 weights is bound by the unpacking and the FMAs (a drafter's)."""
+class NativeInt4VNNILinear(NativeInt4Linear):
+    """The int4 weights of :class:`NativeInt4Linear` (packed for vpdpbusd: [P, K / 4, 64]) times
+    int8 activations quantized per row at each call, int32 sums per group (AVX-512 VNNI): a
+    drafter's token at its bytes' cost, where fp32 arithmetic on int4 weights is bound by the
+    unpacking and the FMAs (a drafter's)."""
+
+    pack = staticmethod(pack_int4_vnni)
+    unpack = staticmethod(unpack_int4_vnni)
 
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
-        super().__init__(linear)
+        super().__init__(linear, group)
         if not _ext().has_vnni():
             raise RuntimeError("quantize='int4_vnni' needs AVX-512 VNNI (use 'int4_native')")
-        q, scale = quantize_int4(linear.weight, group)
-        self.group = group
-        self.packed = pack_int4_vnni(q)  # [P, K / 4, 64] uint8
-        self.scales = _panels(scale)  # [P, K / G, 32]
-
-    def dense_weight(self) -> torch.Tensor:
-        q = unpack_int4_vnni(self.packed, self.out_features).float() - 8  # [N, K]
-        scale = _unpanel(self.scales, self.out_features)  # [N, K / G]
-        return q * scale.repeat_interleave(self.group, dim=1)
 
     def _matmul(self, x2d):
         return _ext().linear_int4_vnni(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
