@@ -83,6 +83,19 @@ def test_auto_backend_choice():
     assert auto_backend(torch.device("cuda")) == (torch.bfloat16, False)
 
 
+def test_auto_quantization_choice():
+    from cascade.models.native import native_kernels
+    from cascade.models.quantize import resolve_method
+
+    ext = native_kernels()  # (tests/test_native.py runs the no-extension branch with it disabled)
+    expected = "int8_dynamic" if ext is None else ("int4_vnni" if ext.has_vnni() else "int8_native")
+    assert resolve_method("auto", torch.device("cpu")) == expected
+    assert resolve_method("auto", torch.device("cuda")) == "nf4"
+    assert resolve_method("int8_native", torch.device("cpu")) == "int8_native"
+    with pytest.raises(ValueError, match="unknown quantization"):
+        resolve_method("int3", torch.device("cpu"))
+
+
 def test_top2_gap(tiny_target):
     logits = tiny_target.forward([1, 2], tiny_target.new_cache())[-1]
     top = torch.topk(logits, 2).values

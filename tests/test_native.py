@@ -450,6 +450,8 @@ def test_disabled_extension_falls_back_to_fbgemm():
         "expected = 'fp16w' if fbgemm_available() else None\n"
         "got = auto_backend(torch.device('cpu'))[0]\n"
         "assert expected is None or got == expected, got\n"
+        "from cascade.models.quantize import resolve_method\n"
+        "assert resolve_method('auto', torch.device('cpu')) == 'int8_dynamic'\n"
         "try:\n"
         "    load_model('tiny:0', dtype='native')\n"
         "except RuntimeError as exc:\n"

@@ -13,8 +13,9 @@ from cascade.models.quantize import quantized_copy
 class QuantizedLMDrafter(SmallLMDrafter):
     kind = "quantized_lm"
     """``model``: a model name/path (loaded quantized with ``quantize``) or a loaded ``CausalLM``
-    (copied, then quantized; the original is untouched). ``quantize``: "auto" (nf4 on CUDA,
-    int8_dynamic on CPU), "int8_dynamic" or "nf4"; see ``cascade.models.quantize``."""
+    (copied, then quantized; the original is untouched). ``quantize``: "auto" (nf4 on CUDA;
+    on CPU int4_vnni, int8_native or int8_dynamic, whichever this CPU runs fastest), or one of
+    ``cascade.models.quantize.METHODS``; see that module."""
 
     def __init__(
         self,

@@ -24,7 +24,10 @@ Methods:
                     bound int4_native at ~2x its bytes' time on one row; activations rounded.
     "nf4"           CUDA. bitsandbytes 4-bit NF4 through transformers' ``BitsAndBytesConfig``
                     (bf16 compute), applied while loading.
-    "auto"          nf4 on CUDA, int8_dynamic on CPU.
+    "auto"          nf4 on CUDA. On CPU the fastest drafter measured (docs/results.md, bench/kernels):
+                    int4_vnni where the native kernels build and the CPU has AVX-512 VNNI,
+                    int8_native where they build without VNNI (int4_native's unpacking was not
+                    measured on an AVX2-only CPU), int8_dynamic where they do not build.
 
 The quantized model is a different model: a drafter built on it stays lossless (the target
 verifies), it only changes acceptance. Quantization is not cached on disk: dynamic int8
@@ -52,12 +55,20 @@ def resolve_method(method: str, device: torch.device) -> str:
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; use one of {METHODS}")
     if method == "auto":
-        return "nf4" if device.type == "cuda" else "int8_dynamic"
+        return "nf4" if device.type == "cuda" else auto_cpu_method()
     if method == "nf4" and device.type != "cuda":
         raise ValueError("quantize='nf4' (bitsandbytes 4-bit) needs a CUDA device; on CPU use 'int8_dynamic'")
     if method in CPU_METHODS and device.type != "cpu":
         raise ValueError(f"quantize={method!r} runs on CPU only; on CUDA use 'nf4'")
     return method
+
+
+def auto_cpu_method() -> str:
+    """What ``quantize="auto"`` is on this CPU (see the module docstring)."""
+    ext = native_kernels()
+    if ext is None:
+        return "int8_dynamic"
+    return "int4_vnni" if ext.has_vnni() else "int8_native"
 
 
 # method -> the native linear it swaps in (weight-only int8 / int4, or int8 x int8 with VNNI)
