@@ -3,12 +3,16 @@
 1. corpus: chunks from ``train.sources`` (outside the evaluation reserve; ``cascade.head_training``);
 2. features: the target's features of every chunk, cached under ``train.features_dir`` with a
    manifest (resumable: an interrupted capture continues where it stopped);
-3. head: ``DraftHead.from_target`` over the ``train.vocab`` token ids most frequent in the
-   training chunks (FR-Spec; all ids when null), trained with AdamW on the unrolled loss
+3. head (``train.recipe``): ``eagle``, cascade's single-feature head (``DraftHead.from_target``:
+   the LM head's input f_t fused with the next token's embedding), or ``eagle3``, EAGLE-3's head
+   (``Eagle3Head.from_target``: three layers' states fused by ``fc`` 3H -> H, its own LM head over
+   the draft vocabulary, no feature regression), over the ``train.vocab`` token ids most frequent
+   in the training chunks (FR-Spec; all ids when null), trained with AdamW on the unrolled loss
    (``train.unroll`` steps of EAGLE-3's training-time test), the checkpoint written atomically
    after every epoch with the held-out top-1 agreement at depths 1..4 (printed per epoch);
-4. ``summary.json`` and ``head.pt`` in the Hydra run directory; the checkpoint is also copied to
-   ``train.save_to`` (``models.head_path``: where the draft-head methods load it by default).
+4. ``summary.json`` and the checkpoint in the Hydra run directory (``head.pt``; for eagle3 the
+   release directory ``head_eagle3/``), also copied to ``train.save_to`` (``auto``:
+   ``models.head_path`` or ``models.eagle3_head_path``, where the draft-head methods load it).
 
 ``models.device=cuda`` trains on a GPU with the same code (written for it; not run on a GPU yet).
 """
@@ -29,6 +33,7 @@ from cascade.head_training import agreement, capture_features, chunk_loss, chunk
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.models.draft_head import DraftHead, HeadLayout
+from cascade.models.eagle3 import Eagle3Head, default_layers
 from cascade.models.layers import decoder_parts, dense_weight
 from cascade.models.loading import cpu_has_native_bf16
 from cascade.models.pruned_head import rank_by_frequency
@@ -49,6 +54,11 @@ def _check(t) -> None:
         raise ConfigError(f"train.vocab must be >= 1 or null, got {t.vocab}")
     if t.batch_chunks < 1:
         raise ConfigError(f"train.batch_chunks must be >= 1, got {t.batch_chunks}")
+    if t.recipe not in RECIPES:
+        raise ConfigError(f"train.recipe must be one of {RECIPES}, got {t.recipe!r}")
+    if t.layers is not None and (t.recipe != "eagle3" or len(t.layers) < 1):
+        raise ConfigError(f"train.layers (target layers an EAGLE-3 head reads) needs train.recipe=eagle3 and "
+                          f"at least one layer, got {t.layers} with recipe {t.recipe!r}")
     if t.fusion not in ("concat", "normed"):
         raise ConfigError(f"train.fusion must be concat or normed, got {t.fusion!r}")
     if t.precision not in ("auto", "fp32", "bf16"):
@@ -59,6 +69,7 @@ def _check(t) -> None:
         raise ConfigError(f"train.feature_storage must be one of {sorted(FEATURE_STORAGE)}, got {t.feature_storage!r}")
 
 
+RECIPES = ("eagle", "eagle3")
 FEATURE_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -102,7 +113,27 @@ def _head_vocab(lm, chunks: list, size: int | None) -> torch.Tensor | None:
     return torch.tensor(sorted(keep))
 
 
-def _train_epochs(head: DraftHead, lm, train_chunks: list, held: list, head_rows: torch.Tensor,
+def _captured_layers(t, lm) -> tuple[int, ...]:
+    """The target layers the head reads beside the final feature: none (eagle), EAGLE-3's."""
+    if t.recipe != "eagle3":
+        return ()
+    return tuple(int(i) for i in (t.layers or default_layers(decoder_parts(lm).num_layers)))
+
+
+def _new_head(t, lm, vocab, layers: tuple[int, ...], seed: int) -> DraftHead | Eagle3Head:
+    if t.recipe == "eagle3":
+        return Eagle3Head.from_target(lm, vocab, layers, seed=seed)
+    return DraftHead.from_target(lm, vocab, seed=seed, layout=HeadLayout(t.fusion))
+
+
+def _save_path(t, models) -> Path | None:
+    """Where the checkpoint is copied: ``train.save_to``; ``auto``: the recipe's default path."""
+    if t.save_to == "auto":
+        return Path(models.eagle3_head_path if t.recipe == "eagle3" else models.head_path).expanduser()
+    return Path(t.save_to).expanduser() if t.save_to else None
+
+
+def _train_epochs(head: DraftHead | Eagle3Head, lm, train_chunks: list, held: list, head_rows: torch.Tensor,
                   vocab: torch.Tensor | None, cfg: DictConfig, ckpt: Path) -> list[dict]:
     """AdamW over ``train.epochs`` shuffled passes; after each, the held-out agreement (printed)
     and the checkpoint (atomic). Returns the per-epoch history."""
@@ -176,15 +207,21 @@ def train(cfg: DictConfig) -> dict:
     features_root = Path(t.features_dir or cache_root() / "head_features").expanduser()
     prefix = lm.name.replace('/', '_')
     features_dir = features_root / f"{prefix}-{chunks_sha256(token_chunks)[:16]}"
+    layers = _captured_layers(t, lm)
+    if layers:  # another capture: the three layers' states and the final feature
+        features_dir = features_dir.with_name(f"{prefix}-l{'-'.join(map(str, layers))}-{chunks_sha256(token_chunks)[:16]}")
     chunks = capture_features(lm, token_chunks, sources, t.seq_len, features_dir, cfg.progress,
-                              FEATURE_STORAGE[t.feature_storage], reuse_dirs=sorted(features_root.glob(f"{prefix}-*")))
+                              FEATURE_STORAGE[t.feature_storage], reuse_dirs=sorted(features_root.glob(f"{prefix}-*")),
+                              layers=layers)
     feature_s = time.perf_counter() - t0
     n_held = max(1, round(len(chunks) * t.heldout_frac))
     train_chunks, held = chunks[:-n_held], chunks[-n_held:]
     if t.train_tokens is not None:  # a smaller training set from the same captured features
         train_chunks = _first_tokens(train_chunks, t.train_tokens)
     vocab = _head_vocab(lm, train_chunks, t.vocab)
-    head = DraftHead.from_target(lm, vocab, seed=cfg.seed, layout=HeadLayout(t.fusion)).to(lm.device)
+    head = _new_head(t, lm, vocab, layers, cfg.seed).to(lm.device)
+    if not head.predicts_features:
+        log.info("recipe %s: no feature regression (train.feature_weight unused)", t.recipe)
     head_w = dense_weight(decoder_parts(lm).head)  # [V, H]
     head_rows = (head_w if vocab is None else head_w[vocab]).to(lm.device)  # [|S|, H]
     del head_w
@@ -192,29 +229,30 @@ def train(cfg: DictConfig) -> dict:
     log.info("held-out top-1 agreement at depths 1-4 before training: %s", [round(a, 3) for a in agree_init])
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = out_dir / "head.pt"
+    ckpt = out_dir / ("head_eagle3" if t.recipe == "eagle3" else "head.pt")
     t1 = time.perf_counter()
     history = _train_epochs(head, lm, train_chunks, held, head_rows, vocab, cfg, ckpt)
     metrics = {
         "target": lm.name, "sources": sources, "features_dir": str(features_dir),
         "train_tokens": sum(c.tokens.numel() for c in train_chunks), "heldout_tokens": sum(c.tokens.numel() for c in held),
         "vocab": None if vocab is None else int(vocab.numel()), "unroll": t.unroll, "epochs": t.epochs,
-        "fusion": t.fusion, "batch_chunks": t.batch_chunks, "steps": history[-1]["steps"],
+        "recipe": t.recipe, "layers": list(layers), "fusion": t.fusion if t.recipe == "eagle" else None, "batch_chunks": t.batch_chunks, "steps": history[-1]["steps"],
         "precision": "fp32" if training_autocast(t.precision, lm.device) is None else "bf16",
         "feature_storage": t.feature_storage,
         "agreement_init": agree_init, "agreement": history[-1]["agreement"], "history": history,
         "feature_time_s": feature_s, "train_time_s": time.perf_counter() - t1,
     }
     head.save(ckpt, metrics=metrics)
-    if t.save_to:
-        head.save(Path(t.save_to).expanduser(), metrics=metrics)
+    save_to = _save_path(t, m)
+    if save_to:
+        head.save(save_to, metrics=metrics)
     summary = {"config": OmegaConf.to_container(cfg, resolve=True), "metrics": metrics, "checkpoint": str(ckpt)}
     write_json_atomic(out_dir / "summary.json", summary)
     print(f"draft head for {lm.name}: {metrics['train_tokens']} training tokens, {t.epochs} epochs, unroll {t.unroll}, "
           f"vocab {metrics['vocab'] or lm.vocab_size}; held-out top-1 agreement at depths 1-4 "
           + " ".join(f"{a:.3f}" for a in metrics["agreement"])
           + f" (untrained: {' '.join(f'{a:.3f}' for a in agree_init)})\ncheckpoint: {ckpt}"
-          + (f" (copied to {t.save_to})" if t.save_to else ""))
+          + (f" (copied to {save_to})" if save_to else ""))
     return summary
 
 

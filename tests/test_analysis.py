@@ -134,7 +134,7 @@ def test_replay_refuses_what_it_cannot_replay(tmp_path):
         trace_from_job(load_jobs(job)[0][0])
 
 
-def test_per_category_columns_and_figure(tmp_path):
+def test_per_category_columns_and_figure(tmp_path, capsys):
     """A prompt set with categories gives speedup[CATEGORY] / tau[CATEGORY] columns, and the
     speedup-by-category figure draws one bar per method and category."""
     prompts = tmp_path / "p.jsonl"
@@ -142,6 +142,11 @@ def test_per_category_columns_and_figure(tmp_path):
     job = tmp_path / "sweep" / "0_x"
     _run(job, "+experiment=token_recycling", "debug=tiny", "dataset.name=jsonl", f"dataset.path={prompts}", "dataset.num_prompts=null",
          "dataset.max_new_tokens=8", f"output_dir={job}", "progress=false")
+    from analysis.markdown import main as markdown_main
+
+    assert markdown_main([str(job), "--by-category"]) == 0  # the docs' per-category table
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| method | code | chat | overall | decode | τ |" and lines[2].startswith("| ar | 1.00 | 1.00 | 1.00x |")
     df, _ = table(tmp_path / "sweep")
     row = df[df.method == "token_recycling"].iloc[0]
     assert {"speedup[code]", "speedup[chat]", "tau[code]", "tau[chat]"} <= set(df.columns)
@@ -185,3 +190,20 @@ def test_round_decomposition_adds_up(sweep, capsys):
     assert rounds_main([str(job)]) == 0
     out = capsys.readouterr().out
     assert "one autoregressive step" in out and " 1.000 " in out.splitlines()[2]
+
+
+def test_markdown_table_of_a_run(sweep, capsys):
+    """analysis.markdown: one row per method, the baseline at 1.00x with no range, a chain's τ,
+    α and whole-call speedup as the summary holds them, greedy equality counted per prompt."""
+    from analysis.markdown import main as markdown_main
+
+    job = sweep / "2_k3"
+    summary = json.loads((job / "summary.json").read_text())
+    assert markdown_main([str(job)]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["| ar", "layer_skip"]
+    ls = summary["methods"]["layer_skip"]
+    assert rows[0][6:8] == ["1.00x", "-"] and rows[1][1] == f"{ls['stats']['tau']:.2f}"
+    assert rows[1][6] == f"{ls['speedup']:.2f}x" and rows[1][8] == "3/3 |"
+    with pytest.raises(SystemExit, match="not the mixed set"):
+        markdown_main([str(job), "--by-category"])

@@ -14,7 +14,7 @@ from cascade import generate
 from cascade.drafters import DraftHeadDrafter
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.draft_head import DraftHead, HeadCheckpointError
-from cascade.models.eagle3 import Eagle3Head, open_head
+from cascade.models.eagle3 import FORMAT, Eagle3Head, open_head
 from cascade.models.layers import decoder_parts
 from head_fit import eagle3_config, eagle3_release, write_eagle3
 from test_eagle_heads import ROLES, _rotate_half  # the same roles and RoPE helper as EAGLE-1/2 releases
@@ -75,7 +75,10 @@ def test_the_loop_hands_over_the_three_layers_transformers_computes(target):
     with pytest.raises(ValueError, match="return_hidden"):
         target.forward(ids, target.new_cache(), return_hidden=(2, 7))
     with pytest.raises(ValueError, match="return_hidden"):
-        target.forward(ids, target.new_cache(), return_hidden=(2, -1))
+        target.forward(ids, target.new_cache(), return_hidden=(-1, 2))  # the final feature only last
+    # EAGLE-3's training capture: the three layers and the LM head's input (after the final norm) in one forward
+    _, g4 = target.forward(ids, target.new_cache(), return_hidden=(2, 3, 4, -1))
+    torch.testing.assert_close(g4, torch.cat([hs[2][0], hs[3][0], hs[4][0], hs[-1][0]], -1), rtol=0, atol=1e-12)
 
 
 def test_a_release_computes_what_eagle3s_head_computes(target, release):
@@ -152,3 +155,107 @@ def test_eagle3_config_matches_the_head_it_describes(target, release):
     assert config == eagle3_config(target, target.vocab_size - 2)
     head = open_head(release, target)
     assert head.lm_head.weight.shape == (target.vocab_size - 2, decoder_parts(target).config.hidden_size)
+
+
+# ---- training EAGLE-3 heads (python -m cascade.train_head train.recipe=eagle3) ------------------
+
+
+def _chunk3(target, ids, layers):
+    from cascade.head_training import Chunk, target_features
+
+    feats = target_features(target, ids, layers)  # [T, 4H]
+    hidden = feats.shape[-1] // (len(layers) + 1)
+    return Chunk(torch.tensor(ids), feats[:, :-hidden], feats[:, -hidden:])
+
+
+def test_training_tuples_of_eagle3_align_with_transformers_own_model(target):
+    """What an EAGLE-3 head trains on: g_u (the three layers at u, as transformers computes them),
+    x_{u+1}, and the teacher: the target's law of x_{u+2} (its logits at u + 1)."""
+    ids = torch.randint(0, target.vocab_size, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    layers = (2, 3, 4)
+    chunk = _chunk3(target, ids, layers)
+    with torch.no_grad():
+        out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    hs = out.hidden_states
+    torch.testing.assert_close(chunk.features, torch.cat([hs[i][0] for i in layers], -1), rtol=0, atol=1e-12)
+    teacher = torch.softmax(chunk.teacher[1:] @ decoder_parts(target).head.weight.T, -1)  # chunk_loss's teacher
+    torch.testing.assert_close(teacher, torch.softmax(out.logits[0], -1)[1:], rtol=0, atol=1e-10)
+
+
+def test_unrolled_eagle3_step_equals_drafting(target):
+    """Row u of unrolled step s is what drafting s tokens deep from root u - s + 1 computes: step 1
+    reads the three layers through fc, deeper steps the head's own states (no fc)."""
+    from cascade.head_training import unroll
+
+    head = Eagle3Head.from_target(target, layers=(2, 3, 4), seed=1).to(target.dtype)
+    ids = torch.randint(0, target.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).tolist()
+    chunk = _chunk3(target, ids, (2, 3, 4))
+    with torch.no_grad():
+        outs = unroll(head, target, chunk, 3)
+        for u, s in ((7, 3), (9, 2), (12, 3)):
+            root = u - s + 1
+            cache = head.new_cache()
+            f = head(target, chunk.features[: root + 1], chunk.tokens[1 : root + 2], torch.arange(root + 1), cache)[-1]
+            for pos in range(root + 1, u + 1):
+                f = head(target, f[None], chunk.tokens[pos + 1 : pos + 2], torch.tensor([pos]), cache)[-1]
+            torch.testing.assert_close(outs[s - 1][u], f, atol=1e-9, rtol=1e-9)
+
+
+def test_an_eagle3_head_fits_its_training_text(target):
+    """The training path can fit: a fresh head trained on a few chunks with chunk_loss reaches
+    top-1 agreement >= 0.9 with the target at depth 1 on them (untrained: far below)."""
+    from cascade.head_training import agreement, chunk_loss
+
+    gen = torch.Generator().manual_seed(6)
+    chunks = [_chunk3(target, torch.randint(0, target.vocab_size, (24,), generator=gen).tolist(), (2, 3, 4)) for _ in range(3)]
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(target, layers=(2, 3, 4), seed=0).to(target.dtype)
+    rows = decoder_parts(target).head.weight.detach()
+    before = agreement(head, target, chunks, rows, head.vocab, depths=1)[0]
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for step in range(150):
+        opt.zero_grad()
+        loss = sum(chunk_loss(head, target, c, rows, 1, 1.0)[0] for c in chunks)
+        loss.backward()
+        opt.step()
+    after = agreement(head, target, chunks, rows, head.vocab, depths=1)[0]
+    assert before < 0.5 and after >= 0.9, (before, after)
+
+
+def test_train_an_eagle3_head_then_draft_with_it(tmp_path):
+    """``train.recipe=eagle3`` captures the three layers and the final feature, trains, and
+    writes an EAGLE-3 release directory that open_head reads back weight for weight, that drafts
+    with greedy equality, and that another target refuses."""
+    from hydra import compose, initialize_config_dir
+
+    from cascade.models import load_model
+    from cascade.train_head import train
+    from test_draft_head import CONF
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("train_head", overrides=["debug=tiny", "progress=false", f"output_dir={tmp_path / 'out'}",
+                                               "train.recipe=eagle3", f"train.save_to={tmp_path / 'e3'}",
+                                               "train.max_tokens=1200", f"train.features_dir={tmp_path / 'features'}"])
+    summary = train(cfg)
+    m = summary["metrics"]
+    assert m["recipe"] == "eagle3" and m["layers"] == [2, 2, 1] and len(m["agreement"]) == 4  # tiny: 4 layers
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "features").glob("*/manifest.json")]
+    assert [x["layers"] for x in manifests] == [[2, 2, 1]]
+    chunk = torch.load(next((tmp_path / "features").rglob("chunk_00000.pt")), weights_only=True)
+    assert chunk["features"].shape[-1] == 3 * chunk["final"].shape[-1]
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert config["cascade"]["format"] == FORMAT and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    target = load_model(cfg.models.target, dtype=cfg.models.dtype)
+    head = open_head(tmp_path / "e3", target)
+    assert isinstance(head, Eagle3Head) and head.metrics["agreement"] == m["agreement"]
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "e3" / "model.safetensors"))
+    for k, v in head.release_state().items():
+        assert torch.equal(v, written[k]), k
+    drafter = DraftHeadDrafter(str(tmp_path / "e3"), k=3)
+    prompt = target.encode("def f(x):")
+    assert generate(target, prompt, drafter=drafter, max_new_tokens=12).tokens == generate(target, prompt, max_new_tokens=12).tokens
+    other = load_model("tiny:1", dtype=cfg.models.dtype)
+    with pytest.raises(HeadCheckpointError, match="trained for 'tiny:0'"):
+        open_head(tmp_path / "e3", other)

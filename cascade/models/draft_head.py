@@ -145,6 +145,7 @@ class DraftHead(OneLayerHead):
 
     feature_size = OneLayerHead.hidden_size  # width of the target features it reads: the last layer's, H
     hidden_layer = FINAL_HIDDEN  # which target states the decode loop hands over
+    predicts_features = True  # its outputs are predicted target features (trained with EAGLE's regression)
 
     @classmethod
     def from_target(cls, lm: CausalLM, vocab: torch.Tensor | None = None, seed: int = 0,
@@ -215,6 +216,12 @@ class DraftHead(OneLayerHead):
         rows: ``PrunedHead``; -inf at every other id)."""
         head = decoder_parts(lm).head
         return head if self.vocab is None else PrunedHead(head, self.vocab.cpu(), lm.vocab_size)
+
+    @staticmethod
+    def train_logits(features: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
+        """[n, H] predicted features -> [n, |S|] logits through ``head_rows`` (the target's LM-head
+        rows of the head's vocabulary; what ``readout`` computes)."""
+        return features @ head_rows.T
 
     # ---- binding ----------------------------------------------------------------------------
     def check_target(self, lm: CausalLM) -> None:

@@ -15,14 +15,18 @@ gets probability 0, so q is the exact distribution drafts are sampled from.
 :class:`Eagle3Head` keeps the interface ``DraftHeadDrafter`` drives (``forward`` -> the fed-back
 state, ``readout`` -> logits over the target's vocabulary, ``new_cache`` / ``crop`` /
 ``cache_len``, ``for_inference``), plus ``hidden_layer`` (the tuple of target layers the decode
-loop must hand over) and ``feature_size`` (3H). :func:`open_head` opens any head a
-``DraftHeadDrafter`` takes: a cascade checkpoint, an EAGLE-1/2 release or an EAGLE-3 release.
-Training EAGLE-3 heads is not built (``cascade.train_head`` trains the single-feature head).
+loop must hand over) and ``feature_size`` (3H), and what training needs (``from_target``: a fresh head; ``train_logits``:
+its logits over the draft vocabulary; ``save``: a release directory, tagged ``FORMAT`` in its
+config, that ``from_release`` reads back; ``python -m cascade.train_head train.recipe=eagle3``).
+:func:`open_head` opens any head a ``DraftHeadDrafter`` takes: a cascade checkpoint, an EAGLE-1/2
+release or an EAGLE-3 release (published, or trained here).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -31,10 +35,12 @@ from transformers.masking_utils import create_causal_mask
 
 from cascade.models.draft_head import (DraftHead, HeadCheckpointError, OneLayerHead, eagle_files, is_eagle3,
                                        read_state, target_facts)
-from cascade.models.layers import decoder_parts, trainable_attention
+from cascade.models.layers import decoder_parts, dense_state, dense_weight, trainable_attention
 from cascade.models.lm import CausalLM
 
-__all__ = ["Eagle3Head", "is_eagle3", "open_head"]
+__all__ = ["FORMAT", "Eagle3Head", "is_eagle3", "open_head"]
+
+FORMAT = "cascade.eagle3_head/1"  # config.json's "cascade" entry of a head trained here
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -51,6 +57,36 @@ def rope_theta(config) -> float | None:
         return float(params["rope_theta"])
     value = getattr(config, "rope_theta", None)
     return None if value is None else float(value)
+
+
+def _attention_shape(config) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv heads, head dim) of a transformers config."""
+    hidden, heads, kv = int(config.hidden_size), int(config.num_attention_heads), int(config.num_key_value_heads)
+    return hidden, heads, kv, int(getattr(config, "head_dim", None) or hidden // heads)
+
+
+def _head_config(target_config, intermediate_size: int | None = None):
+    """The head's one-layer copy of the target's config (the target's is untouched)."""
+    hc = copy.deepcopy(target_config)
+    hc.num_hidden_layers = 1
+    if getattr(hc, "layer_types", None):
+        hc.layer_types = [hc.layer_types[-1]]
+    if intermediate_size is not None:
+        hc.intermediate_size = int(intermediate_size)
+    hc._attn_implementation = trainable_attention(hc)
+    return hc
+
+
+def _midlayer(parts, hc, biases: set[str]) -> nn.Module:
+    """The target family's decoder layer with q/k/v reading 2H ([embedding, state]); ``biases``:
+    which of q_proj, k_proj, v_proj, o_proj carry one."""
+    hidden, heads, kv, head_dim = _attention_shape(hc)
+    layer = type(parts.layers[-1])(hc, layer_idx=0)
+    attn = layer.self_attn
+    for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv * head_dim), ("v_proj", kv * head_dim)):
+        setattr(attn, name, nn.Linear(2 * hidden, rows, bias=name in biases))
+    attn.o_proj = nn.Linear(heads * head_dim, hidden, bias="o_proj" in biases)
+    return layer
 
 
 class DraftVocabReadout(nn.Module):
@@ -90,6 +126,55 @@ class Eagle3Head(OneLayerHead):
     def hidden_layer(self) -> tuple[int, ...]:
         return self.layers
 
+    predicts_features = False  # its states are its own, not target features: no feature regression
+
+    @classmethod
+    def from_target(cls, lm: CausalLM, vocab: torch.Tensor | None = None, layers: tuple[int, ...] | None = None,
+                    seed: int = 0) -> "Eagle3Head":
+        """A fresh head for ``lm``, to train (``python -m cascade.train_head train.recipe=eagle3``).
+        ``layers``: the target layers it reads (None: EAGLE-3's default); ``vocab``: its draft
+        vocabulary, target ids (sorted here; None: all). Its layer's o_proj, MLP and
+        post-attention norm start as the target's last layer's, q/k/v (2H wide) and ``fc`` at
+        random (seeded), the two input norms at unit gain, ``norm`` and ``lm_head`` as the
+        target's final norm and its LM-head rows of ``vocab``."""
+        parts = decoder_parts(lm)
+        layers = tuple(int(i) for i in (layers or default_layers(parts.num_layers)))
+        if not layers or not all(1 <= i < parts.num_layers for i in layers):
+            raise ValueError(f"layers must be target layers in [1, {parts.num_layers - 1}], got {layers}")
+        if vocab is None:
+            vocab = torch.arange(lm.vocab_size)
+        vocab = torch.as_tensor(vocab, dtype=torch.int64).reshape(-1).sort().values
+        if vocab.numel() == 0 or int(vocab[0]) < 0 or int(vocab[-1]) >= lm.vocab_size or vocab.unique().numel() != vocab.numel():
+            raise ValueError(f"vocab must be distinct token ids in [0, {lm.vocab_size})")
+        hc = _head_config(parts.config)
+        hidden = _attention_shape(hc)[0]
+        src = dense_state(parts.layers[-1])
+        layer = _midlayer(parts, hc, {n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if f"self_attn.{n}.bias" in src})
+        gen = torch.Generator().manual_seed(seed)
+        own = layer.state_dict()
+        fresh = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "input_layernorm.")
+        layer.load_state_dict({k: v.float() for k, v in src.items() if k in own and not k.startswith(fresh)}, strict=False)
+        fc = nn.Linear(len(layers) * hidden, hidden, bias=False)
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj"):
+                lin = getattr(layer.self_attn, name)
+                bound = 1.0 / (2 * hidden) ** 0.5
+                lin.weight.copy_(torch.empty_like(lin.weight).uniform_(-bound, bound, generator=gen))
+                if lin.bias is not None:
+                    lin.bias.zero_()
+            layer.input_layernorm.weight.fill_(1.0)
+            bound = 1.0 / (len(layers) * hidden) ** 0.5
+            fc.weight.copy_(torch.empty_like(fc.weight).uniform_(-bound, bound, generator=gen))
+        hidden_norm = copy.deepcopy(parts.norm).float()
+        with torch.no_grad():
+            hidden_norm.weight.fill_(1.0)
+        norm = copy.deepcopy(parts.norm).float()
+        lm_head = nn.Linear(hidden, vocab.numel(), bias=False)
+        target_rows = dense_weight(parts.head)  # [V, H] (whatever kernel the target's head runs on)
+        with torch.no_grad():
+            lm_head.weight.copy_(target_rows[vocab.to(target_rows.device)].float().cpu())
+        return cls(fc, layer.float(), hidden_norm, norm, lm_head, vocab, layers, hc, target_facts(lm))
+
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, lm: CausalLM, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 cache=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,6 +208,54 @@ class Eagle3Head(OneLayerHead):
     def readout(self, lm: CausalLM) -> nn.Module:
         return DraftVocabReadout(self.norm, self.lm_head, self.vocab, lm.vocab_size)
 
+    def train_logits(self, states: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
+        """[n, H] states -> [n, Vd] logits over the draft vocabulary (its own norm and LM head;
+        ``head_rows``, the target's rows of that vocabulary, serve only the teacher)."""
+        return self.lm_head(self.norm(states))
+
+    # ---- checkpoints (the release format) -------------------------------------------------------
+    def release_state(self) -> dict[str, torch.Tensor]:
+        """The weights under the key names EAGLE-3's released code writes (no embedding copy:
+        the head runs on the target's)."""
+        vocab = self.vocab.cpu()
+        t2d = torch.zeros(int(self.facts["vocab_size"]), dtype=torch.bool)
+        t2d[vocab] = True
+        state = {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
+                 "midlayer.hidden_norm.weight": self.hidden_norm.weight,
+                 **{f"midlayer.{k}": v for k, v in self.layer.state_dict().items()},
+                 "d2t": vocab - torch.arange(vocab.numel()), "t2d": t2d}
+        return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous() for k, v in state.items()}
+
+    def release_config(self, metrics: dict | None = None) -> dict:
+        """config.json as EAGLE-3's released code writes it, plus cascade's entry (``FORMAT``, the
+        target, the training metrics)."""
+        c = self.config
+        hidden, heads, kv, _ = _attention_shape(c)
+        return {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden,
+                "intermediate_size": int(c.intermediate_size), "num_attention_heads": heads, "num_key_value_heads": kv,
+                "num_hidden_layers": 1, "vocab_size": int(self.facts["vocab_size"]),
+                "draft_vocab_size": int(self.vocab.numel()), "rms_norm_eps": float(c.rms_norm_eps),
+                "rope_theta": rope_theta(c), "max_position_embeddings": int(c.max_position_embeddings),
+                "hidden_act": str(getattr(c, "hidden_act", "silu")), "tie_word_embeddings": False,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layers)},
+                "cascade": {"format": FORMAT, "target": self.facts["target"], "metrics": metrics or {}}}
+
+    def save(self, path: str | Path, metrics: dict | None = None) -> Path:
+        """Write the head as an EAGLE-3 release: the directory ``path`` with ``model.safetensors``
+        and ``config.json``, each written atomically (weights first); ``open_head`` and
+        ``from_release`` read it back."""
+        from safetensors.torch import save_file
+
+        folder = Path(path).expanduser()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"model.safetensors.tmp{os.getpid()}"
+        save_file(self.release_state(), str(tmp))
+        os.replace(tmp, folder / "model.safetensors")
+        tmp = folder / f"config.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(self.release_config(metrics), indent=1))
+        os.replace(tmp, folder / "config.json")
+        return folder
+
     # ---- binding ----------------------------------------------------------------------------
     def check_target(self, lm: CausalLM) -> None:
         facts = target_facts(lm)
@@ -151,9 +284,8 @@ class Eagle3Head(OneLayerHead):
             raise HeadCheckpointError(f"{weights} is not an EAGLE-3 head (no midlayer.*): DraftHead.from_eagle reads EAGLE-1/2")
         parts = decoder_parts(lm)
         tc = parts.config
-        hidden, vocab_size = int(tc.hidden_size), lm.vocab_size
-        heads, kv = int(tc.num_attention_heads), int(tc.num_key_value_heads)
-        head_dim = int(getattr(tc, "head_dim", None) or hidden // heads)
+        hidden, heads, kv, head_dim = _attention_shape(tc)
+        vocab_size = lm.vocab_size
         config = config or {}
         wrong = []
         for key, mine in (("hidden_size", hidden), ("vocab_size", vocab_size), ("num_attention_heads", heads),
@@ -197,23 +329,16 @@ class Eagle3Head(OneLayerHead):
                 wrong.append(f"d2t maps draft ids outside [0, {vocab_size}) or two onto one target id")
             elif "t2d" in state and not torch.equal(state["t2d"].bool().nonzero().reshape(-1), vocab.sort().values):
                 wrong.append("t2d does not mark exactly the target ids d2t maps onto")
+        ours = config.get("cascade") or {}  # a head trained here names its target
+        if ours.get("target") not in (None, lm.name):
+            wrong.append(f"trained for {ours['target']!r}")
         if wrong:
             raise HeadCheckpointError(f"{weights} does not fit target {lm.name!r}: " + "; ".join(wrong))
 
         # the head's layer: the target family's decoder layer with q/k/v reading 2H
-        hc = copy.deepcopy(tc)
-        hc.num_hidden_layers = 1
-        if getattr(hc, "layer_types", None):
-            hc.layer_types = [hc.layer_types[-1]]
-        if "intermediate_size" in config:
-            hc.intermediate_size = int(config["intermediate_size"])
-        hc._attn_implementation = trainable_attention(hc)
-        layer = type(parts.layers[-1])(hc, layer_idx=0)
-        attn = layer.self_attn
-        for name, rows in (("q_proj", heads * head_dim), ("k_proj", kv * head_dim), ("v_proj", kv * head_dim)):
-            key = f"midlayer.self_attn.{name}.bias"
-            setattr(attn, name, nn.Linear(2 * hidden, rows, bias=key in state))
-        attn.o_proj = nn.Linear(heads * head_dim, hidden, bias="midlayer.self_attn.o_proj.bias" in state)
+        hc = _head_config(tc, config.get("intermediate_size"))
+        layer = _midlayer(parts, hc, {n for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                                      if f"midlayer.self_attn.{n}.bias" in state})
         hidden_norm = copy.deepcopy(parts.norm)
         layer_state = {k[len("midlayer."):]: v.float() for k, v in state.items()
                        if k.startswith("midlayer.") and not k.startswith("midlayer.hidden_norm.")}
@@ -236,7 +361,8 @@ class Eagle3Head(OneLayerHead):
             fc.weight.copy_(state["fc.weight"].float())
             lm_head.weight.copy_(state["lm_head.weight"].float())
         head = cls(fc, layer, hidden_norm.float(), norm, lm_head, vocab, layers, hc, target_facts(lm))
-        head.metrics = {"source": str(weights), "format": "eagle-3", "layers": list(layers), "draft_vocab": draft_vocab}
+        head.metrics = {"source": str(weights), "format": "eagle-3", "layers": list(layers), "draft_vocab": draft_vocab,
+                        **(ours.get("metrics") or {})}
         return head
 
 

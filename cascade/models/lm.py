@@ -24,7 +24,7 @@ FINAL_HIDDEN = -1
 
 # What a forward may return beside its logits: None, one layer (``L`` after the first L decoder
 # layers, or FINAL_HIDDEN), or several layers' states concatenated in the order given (EAGLE-3
-# reads three), [n, len(layers) * H].
+# reads three; FINAL_HIDDEN may come last), [n, len(layers) * H].
 HiddenLayers = int | tuple[int, ...] | None
 
 
@@ -213,7 +213,9 @@ class CausalLM:
         (before the final norm), [n, H]: ``(logits, hidden)``; ``return_hidden=FINAL_HIDDEN``
         (-1) the last layer's after the final norm (the LM head's input). Self-drafters (an early
         exit with an adapter, a draft head) read the target's own states this way, in tree order
-        for a tree forward. A tuple of layers returns their states concatenated, [n, len * H]."""
+        for a tree forward. A tuple of layers returns their states concatenated, [n, len * H]
+        (FINAL_HIDDEN may end it: EAGLE-3's training capture reads three layers and the LM head's
+        input in one forward)."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if position_ids is None:
@@ -222,8 +224,8 @@ class CausalLM:
         layers = int(self.model.config.num_hidden_layers)
         wanted = hidden_layers(return_hidden)
         bad = [i for i in wanted if not (i == FINAL_HIDDEN or 1 <= i < layers)]
-        if bad or (len(wanted) > 1 and FINAL_HIDDEN in wanted) or (isinstance(return_hidden, tuple) and not wanted):
-            raise ValueError(f"return_hidden must name layers in [1, {layers - 1}] or be FINAL_HIDDEN (-1) alone, "
+        if bad or FINAL_HIDDEN in wanted[:-1] or (isinstance(return_hidden, tuple) and not wanted):
+            raise ValueError(f"return_hidden must name layers in [1, {layers - 1}], FINAL_HIDDEN (-1) only last, "
                              f"got {return_hidden}")
         if self.lean is not None:
             return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(self.device), attention_mask,

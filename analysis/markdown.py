@@ -1,0 +1,78 @@
+"""A run's methods as the markdown table docs/results.md shows, from its ``summary.json``:
+τ, α (trees: accepted path / drafted nodes), nodes drafted per step, c (drafter time per drafted
+token over a verification forward), decode-only and whole-call speedups over the run's
+baseline, the whole-call speedup's range over prompts, and how many greedy outputs equal the
+baseline's. With ``--by-category`` (the mixed set): the speedup per category instead.
+
+    python -m analysis.markdown RUN_DIR [--by-category]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _ratio_range(method: dict, baseline: dict) -> str:
+    mine, base = method.get("tokens_per_s_by_prompt") or {}, baseline.get("tokens_per_s_by_prompt") or {}
+    ratios = [mine[p] / base[p] for p in mine if p in base and base[p]]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
+
+
+def _first(values: dict) -> float | None:
+    return next(iter(values.values()), None) if values else None
+
+
+def method_row(name: str, method: dict, baseline: dict, prompts: int) -> list[str]:
+    st = method["stats"]
+    tree = st.get("tree_acceptance") is not None
+    alpha = st.get("tree_acceptance") if tree else st.get("alpha")
+    c = _first(st.get("c_by_drafter") or {})
+    nodes = st.get("tree_nodes_per_step") if tree else st.get("drafted_per_step")
+    is_base = method is baseline
+    return [name, f"{st['tau']:.2f}", "-" if alpha is None else ("tree " if tree else "") + f"{alpha:.3f}",
+            "-" if not nodes else f"{nodes:.1f}", "-" if c is None else f"{c:.3f}",
+            "-" if method.get("decode_speedup") is None else f"{method['decode_speedup']:.2f}x",
+            f"{method['speedup']:.2f}x", "-" if is_base else _ratio_range(method, baseline),
+            f"{method.get('identical_to_baseline', 0)}/{prompts}"]
+
+
+def table(summary: dict) -> str:
+    methods, base_name = summary["methods"], summary["baseline"]
+    baseline = methods[base_name]
+    prompts = len(baseline.get("tokens") or {})
+    head = ["method", "τ", "α", "nodes/step", "c", "decode", "speedup", "range", "same"]
+    rows = [method_row(n, m, baseline, prompts) for n, m in methods.items()]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
+
+def category_table(summary: dict) -> str:
+    methods = summary["methods"]
+    cats = list((methods[summary["baseline"]].get("by_category") or {}).keys())
+    if not cats:
+        raise SystemExit("this run has no per-category records (not the mixed set)")
+    head = ["method", *cats, "overall", "decode", "τ"]
+    rows = []
+    for name, m in methods.items():
+        by = m.get("by_category") or {}
+        rows.append([name, *(f"{by[c]['speedup']:.2f}" if c in by else "-" for c in cats), f"{m['speedup']:.2f}x",
+                     "-" if m.get("decode_speedup") is None else f"{m['decode_speedup']:.2f}x", f"{m['stats']['tau']:.2f}"])
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir")
+    ap.add_argument("--by-category", action="store_true", help="speedup per category (the mixed set)")
+    args = ap.parse_args(argv)
+    path = Path(args.run_dir) / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} does not exist: pass a run directory of python -m cascade.run")
+    summary = json.loads(path.read_text())
+    print(category_table(summary) if args.by_category else table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
