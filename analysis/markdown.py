@@ -31,9 +31,11 @@ def method_row(name: str, method: dict, baseline: dict, prompts: int) -> list[st
     c = _first(st.get("c_by_drafter") or {})
     nodes = st.get("tree_nodes_per_step") if tree else st.get("drafted_per_step")
     is_base = method is baseline
-    return [name, f"{st['tau']:.2f}", "-" if alpha is None else ("tree " if tree else "") + f"{alpha:.3f}",
+    tau = "-" if st.get("tau") is None else f"{st['tau']:.2f}"  # (a generate: method records no rounds)
+    return [name, tau, "-" if alpha is None else ("tree " if tree else "") + f"{alpha:.3f}",
             "-" if not nodes else f"{nodes:.1f}", "-" if c is None else f"{c:.3f}",
-            "-" if method.get("decode_speedup") is None else f"{method['decode_speedup']:.2f}x",
+            # (a method without step records has no prefill to exclude: its decode ratio is not one)
+            "-" if method.get("decode_speedup") is None or st.get("tau") is None else f"{method['decode_speedup']:.2f}x",
             f"{method['speedup']:.2f}x", "-" if is_base else _ratio_range(method, baseline),
             f"{method.get('identical_to_baseline', 0)}/{prompts}"]
 
@@ -57,7 +59,8 @@ def category_table(summary: dict) -> str:
     for name, m in methods.items():
         by = m.get("by_category") or {}
         rows.append([name, *(f"{by[c]['speedup']:.2f}" if c in by else "-" for c in cats), f"{m['speedup']:.2f}x",
-                     "-" if m.get("decode_speedup") is None else f"{m['decode_speedup']:.2f}x", f"{m['stats']['tau']:.2f}"])
+                     "-" if m.get("decode_speedup") is None else f"{m['decode_speedup']:.2f}x",
+                     "-" if m["stats"].get("tau") is None else f"{m['stats']['tau']:.2f}"])
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
 
 

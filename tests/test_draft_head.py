@@ -266,7 +266,7 @@ def test_capture_copies_chunks_of_earlier_captures(tmp_path, tiny_target, monkey
     (other / "manifest.json").write_text(json.dumps({**manifest, "target": "another"}))
     computed = []
     real = head_training.target_features
-    monkeypatch.setattr(head_training, "target_features", lambda lm, ids: computed.append(ids) or real(lm, ids))
+    monkeypatch.setattr(head_training, "target_features", lambda lm, ids, layers=(): computed.append(ids) or real(lm, ids, layers))
     got = head_training.capture_features(tiny_target, large, {"x": 1.0}, 32, tmp_path / "large", progress=False,
                                          reuse_dirs=[other, tmp_path / "small"])
     assert computed == [large[1]]
