@@ -24,6 +24,19 @@ def _first(values: dict) -> float | None:
     return next(iter(values.values()), None) if values else None
 
 
+def _decode(method: dict) -> str:
+    """The decode-only speedup; "-" for a method without step records (a ``generate:`` call has
+    no prefill to exclude, so its ratio would not be one)."""
+    if method.get("decode_speedup") is None or method["stats"].get("tau") is None:
+        return "-"
+    return f"{method['decode_speedup']:.2f}x"
+
+
+def _tau(method: dict) -> str:
+    tau = method["stats"].get("tau")  # (None for a generate: method: it records no rounds)
+    return "-" if tau is None else f"{tau:.2f}"
+
+
 def method_row(name: str, method: dict, baseline: dict, prompts: int) -> list[str]:
     st = method["stats"]
     tree = st.get("tree_acceptance") is not None
@@ -31,11 +44,8 @@ def method_row(name: str, method: dict, baseline: dict, prompts: int) -> list[st
     c = _first(st.get("c_by_drafter") or {})
     nodes = st.get("tree_nodes_per_step") if tree else st.get("drafted_per_step")
     is_base = method is baseline
-    tau = "-" if st.get("tau") is None else f"{st['tau']:.2f}"  # (a generate: method records no rounds)
-    return [name, tau, "-" if alpha is None else ("tree " if tree else "") + f"{alpha:.3f}",
-            "-" if not nodes else f"{nodes:.1f}", "-" if c is None else f"{c:.3f}",
-            # (a method without step records has no prefill to exclude: its decode ratio is not one)
-            "-" if method.get("decode_speedup") is None or st.get("tau") is None else f"{method['decode_speedup']:.2f}x",
+    return [name, _tau(method), "-" if alpha is None else ("tree " if tree else "") + f"{alpha:.3f}",
+            "-" if not nodes else f"{nodes:.1f}", "-" if c is None else f"{c:.3f}", _decode(method),
             f"{method['speedup']:.2f}x", "-" if is_base else _ratio_range(method, baseline),
             f"{method.get('identical_to_baseline', 0)}/{prompts}"]
 
@@ -59,8 +69,7 @@ def category_table(summary: dict) -> str:
     for name, m in methods.items():
         by = m.get("by_category") or {}
         rows.append([name, *(f"{by[c]['speedup']:.2f}" if c in by else "-" for c in cats), f"{m['speedup']:.2f}x",
-                     "-" if m.get("decode_speedup") is None else f"{m['decode_speedup']:.2f}x",
-                     "-" if m["stats"].get("tau") is None else f"{m['stats']['tau']:.2f}"])
+                     _decode(m), _tau(m)])
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
 
 

@@ -206,10 +206,9 @@ def train(cfg: DictConfig) -> dict:
         raise ConfigError(f"only {len(token_chunks)} chunk(s) of text: raise train.max_tokens")
     features_root = Path(t.features_dir or cache_root() / "head_features").expanduser()
     prefix = lm.name.replace('/', '_')
-    features_dir = features_root / f"{prefix}-{chunks_sha256(token_chunks)[:16]}"
-    layers = _captured_layers(t, lm)
-    if layers:  # another capture: the three layers' states and the final feature
-        features_dir = features_dir.with_name(f"{prefix}-l{'-'.join(map(str, layers))}-{chunks_sha256(token_chunks)[:16]}")
+    layers = _captured_layers(t, lm)  # (EAGLE-3's capture, the layers' states and the final feature, has its own directory)
+    layers_tag = f"l{'-'.join(map(str, layers))}-" if layers else ""
+    features_dir = features_root / f"{prefix}-{layers_tag}{chunks_sha256(token_chunks)[:16]}"
     chunks = capture_features(lm, token_chunks, sources, t.seq_len, features_dir, cfg.progress,
                               FEATURE_STORAGE[t.feature_storage], reuse_dirs=sorted(features_root.glob(f"{prefix}-*")),
                               layers=layers)

@@ -93,6 +93,15 @@ def on_target_kernels(head: nn.Module, lm: CausalLM) -> None:
             swap_linears(head, NativeFP16Linear)
 
 
+def head_vocab_ids(vocab, vocab_size: int) -> torch.Tensor:
+    """``vocab`` as a flat int64 tensor of token ids; ValueError unless they are distinct ids in
+    [0, ``vocab_size``) (and at least one)."""
+    vocab = torch.as_tensor(vocab, dtype=torch.int64).reshape(-1)
+    if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size or vocab.unique().numel() != vocab.numel():
+        raise ValueError(f"vocab must be distinct token ids in [0, {vocab_size})")
+    return vocab
+
+
 def target_facts(lm: CausalLM) -> dict:
     parts = decoder_parts(lm)
     return {"target": lm.name, "hidden_size": int(parts.config.hidden_size), "num_layers": parts.num_layers,
@@ -156,10 +165,7 @@ class DraftHead(OneLayerHead):
         parts = decoder_parts(lm)
         facts = target_facts(lm)
         if vocab is not None:
-            vocab = torch.as_tensor(vocab, dtype=torch.int64).reshape(-1)
-            if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= facts["vocab_size"] \
-                    or vocab.unique().numel() != vocab.numel():
-                raise ValueError(f"vocab must be distinct token ids in [0, {facts['vocab_size']})")
+            vocab = head_vocab_ids(vocab, facts["vocab_size"])
         config = copy.deepcopy(parts.config)
         config.num_hidden_layers = 1
         if getattr(config, "layer_types", None):

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from transformers.masking_utils import create_causal_mask
 
-from cascade.models.draft_head import (DraftHead, HeadCheckpointError, OneLayerHead, eagle_files, is_eagle3,
-                                       read_state, target_facts)
+from cascade.models.draft_head import (DraftHead, HeadCheckpointError, OneLayerHead, eagle_files, head_vocab_ids,
+                                       is_eagle3, read_state, target_facts)
 from cascade.models.layers import decoder_parts, dense_state, dense_weight, trainable_attention
 from cascade.models.lm import CausalLM
 
@@ -141,11 +141,7 @@ class Eagle3Head(OneLayerHead):
         layers = tuple(int(i) for i in (layers or default_layers(parts.num_layers)))
         if not layers or not all(1 <= i < parts.num_layers for i in layers):
             raise ValueError(f"layers must be target layers in [1, {parts.num_layers - 1}], got {layers}")
-        if vocab is None:
-            vocab = torch.arange(lm.vocab_size)
-        vocab = torch.as_tensor(vocab, dtype=torch.int64).reshape(-1).sort().values
-        if vocab.numel() == 0 or int(vocab[0]) < 0 or int(vocab[-1]) >= lm.vocab_size or vocab.unique().numel() != vocab.numel():
-            raise ValueError(f"vocab must be distinct token ids in [0, {lm.vocab_size})")
+        vocab = torch.arange(lm.vocab_size) if vocab is None else head_vocab_ids(vocab, lm.vocab_size).sort().values
         hc = _head_config(parts.config)
         hidden = _attention_shape(hc)[0]
         src = dense_state(parts.layers[-1])
