@@ -2,9 +2,12 @@
 τ, α (trees: accepted path / drafted nodes), nodes drafted per step, c (drafter time per drafted
 token over a verification forward), decode-only and whole-call speedups over the run's
 baseline, the whole-call speedup's range over prompts, and how many greedy outputs equal the
-baseline's. With ``--by-category`` (the mixed set): the speedup per category instead.
+baseline's. With ``--by-category`` (the mixed set): the speedup per category instead. With ``--without
+PROMPT`` (repeatable): each method's overall whole-call and decode-only speedups over the
+remaining prompts (whole calls from the per-prompt tok/s, decoding from ``steps.jsonl``), for a
+prompt a disturbance distorted.
 
-    python -m analysis.markdown RUN_DIR [--by-category]
+    python -m analysis.markdown RUN_DIR [--by-category] [--without PROMPT ...]
 """
 
 from __future__ import annotations
@@ -73,16 +76,48 @@ def category_table(summary: dict) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
 
 
+def without_table(run_dir: Path, summary: dict, skip: set[str]) -> str:
+    """Overall speedups of every method over the prompts not in ``skip``."""
+    methods, base = summary["methods"], summary["baseline"]
+    unknown = skip - set(methods[base].get("tokens_per_s_by_prompt") or {})
+    if unknown:
+        raise SystemExit(f"no such prompts in this run: {sorted(unknown)}")
+
+    def whole(m: dict) -> float:  # tokens / seconds over the kept prompts
+        rates = m["tokens_per_s_by_prompt"]
+        kept = [p for p in rates if p not in skip]
+        return sum(len(m["tokens"][p]) for p in kept) / sum(len(m["tokens"][p]) / rates[p] for p in kept)
+
+    emitted: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for line in (run_dir / "steps.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["prompt"] not in skip:
+            emitted[r["method"]] = emitted.get(r["method"], 0.0) + r["emitted"]
+            seconds[r["method"]] = seconds.get(r["method"], 0.0) + r["step_time_s"]
+    head = ["method", "speedup", "decode"]
+    rows = []
+    for name, m in methods.items():
+        decode = "-" if name not in seconds else f"{(emitted[name] / seconds[name]) / (emitted[base] / seconds[base]):.2f}x"
+        rows.append([name, f"{whole(m) / whole(methods[base]):.2f}x", decode])
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
     ap.add_argument("--by-category", action="store_true", help="speedup per category (the mixed set)")
+    ap.add_argument("--without", action="append", default=[], metavar="PROMPT",
+                    help="overall speedups without this prompt (repeatable)")
     args = ap.parse_args(argv)
     path = Path(args.run_dir) / "summary.json"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: pass a run directory of python -m cascade.run")
     summary = json.loads(path.read_text())
-    print(category_table(summary) if args.by_category else table(summary))
+    if args.without:
+        print(without_table(Path(args.run_dir), summary, set(args.without)))
+    else:
+        print(category_table(summary) if args.by_category else table(summary))
     return 0
 
 

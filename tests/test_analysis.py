@@ -209,3 +209,11 @@ def test_markdown_table_of_a_run(sweep, capsys):
     assert rows[1][6] == f"{ls['speedup']:.2f}x" and rows[1][8] == "3/3 |"
     with pytest.raises(SystemExit, match="not the mixed set"):
         markdown_main([str(job), "--by-category"])
+    # without every prompt but one: the speedups over that prompt alone
+    prompts = list(summary["methods"]["ar"]["tokens_per_s_by_prompt"])
+    assert markdown_main([str(job), *sum((["--without", p] for p in prompts[1:]), [])]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    one = ls["tokens_per_s_by_prompt"][prompts[0]] / summary["methods"]["ar"]["tokens_per_s_by_prompt"][prompts[0]]
+    assert rows[0][1:] == ["1.00x", "1.00x |"] and rows[1][1] == f"{one:.2f}x"
+    with pytest.raises(SystemExit, match="no such prompts"):
+        markdown_main([str(job), "--without", "nope"])
