@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -242,37 +243,115 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t 
     }
 }
 
-// int4 on AVX2: one row at a time, all four vectors (columns 0-7, 8-15 from the low nibbles of
-// bytes 0-7 and 8-15; 16-23, 24-31 from their high nibbles).
-__attribute__((target("avx2,fma,f16c"))) void int4_row_avx2(const float* x, const float* xsum, const uint8_t* panel,
-                                                             int64_t K, int64_t G, const float* scales,
-                                                             const float* bias, float* y, int ncols) {
-  __m256 acc[4];
-  for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+// fp16 and int8 over PP whole panels side by side (pstride elements apart), MR rows: acc[q][m][v]
+// holds columns 8v .. 8v + 7 of panel q, row m. For one or two rows this gives 8 independent FMA
+// chains (an FMA's latency is ~4-5 cycles; one row over half a panel has only 2 chains, which
+// leaves the kernel waiting on each FMA's result). Each output element is still one sequential
+// FMA chain over k, so the result is bitwise rows_avx2's whatever MR, PP or the pass.
+template <int MR, int PP, typename WT>
+__attribute__((target("avx2,fma,f16c"))) void panels_avx2(const float* x, int64_t ldx, const WT* panel, int64_t pstride,
+                                                           int64_t K, const float* scale, const float* bias, float* y,
+                                                           int64_t ldy, int ncols) {
+  __m256 acc[PP][MR][4];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < 4; ++v) acc[q][m][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    for (int q = 0; q < PP; ++q) {
+      const WT* w = panel + q * pstride + k * NC;
+      _mm_prefetch(reinterpret_cast<const char*>(w + (sizeof(WT) == 2 ? 16 : 32) * NC), _MM_HINT_T0);
+      __m256 wv[4];
+      for (int v = 0; v < 4; ++v) {
+        if constexpr (sizeof(WT) == 2) wv[v] = load_w_fp16(reinterpret_cast<const uint16_t*>(w) + 8 * v);
+        else wv[v] = load_w_int8(reinterpret_cast<const int8_t*>(w) + 8 * v);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xb = _mm256_set1_ps(x[m * ldx + k]);
+        for (int v = 0; v < 4; ++v) acc[q][m][v] = _mm256_fmadd_ps(xb, wv[v], acc[q][m][v]);
+      }
+    }
+  }
+  for (int q = 0; q < PP; ++q) {
+    const int nq = q == PP - 1 ? ncols : NC;
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < 4; ++v) {
+        const int c = 8 * v;
+        __m256 a = acc[q][m][v];
+        if (scale) a = _mm256_mul_ps(a, load8(scale + q * NC + c, c, nq));
+        if (bias) a = _mm256_add_ps(a, load8(bias + q * NC + c, c, nq));
+        store8(y + m * ldy + q * NC + c, a, c, nq);
+      }
+  }
+}
+
+// int4 on AVX2, symmetric per (group of G k, column) as int4_rows_avx512: a panel's byte j of
+// row k holds column j (low nibble) and column 16 + j (high nibble). HALF = -1: whole panels
+// (vectors 0-1 from the low nibbles of bytes 0-7 and 8-15, 2-3 from their high nibbles), PP
+// panels side by side; HALF = 0 / 1: only columns 0-15 / 16-31 of one panel (PP = 1), so that
+// up to 6 rows fit the registers. Per element the same sequence (a sequential FMA chain over the
+// group's k, then acc += (group sum - 8 * xsum) * s) whatever the pass, MR or PP.
+template <int MR, int PP, int HALF>
+__attribute__((target("avx2,fma,f16c"))) void int4_rows_avx2(const float* x, int64_t ldx, const float* xsum,
+                                                              int64_t ldxs, const uint8_t* panel, int64_t pstride,
+                                                              int64_t K, int64_t G, const float* scales,
+                                                              int64_t sstride, const float* bias, float* y,
+                                                              int64_t ldy, int ncols) {
+  constexpr int NV = HALF < 0 ? 4 : 2;  // vectors per panel in this pass
+  constexpr int V0 = HALF == 1 ? 2 : 0;  // the first vector's index in the panel
+  static_assert(HALF < 0 || PP == 1, "a half-panel pass covers one panel");
+  __m256 acc[PP][MR][NV];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) acc[q][m][v] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi32(0xF);
   for (int64_t g = 0; g < K / G; ++g) {
-    __m256 gacc[4];
-    for (int v = 0; v < 4; ++v) gacc[v] = _mm256_setzero_ps();
+    __m256 gacc[PP][MR][NV];
+    for (int q = 0; q < PP; ++q)
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) gacc[q][m][v] = _mm256_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; ++k) {
-      const uint8_t* w = panel + k * (NC / 2);
-      _mm_prefetch(reinterpret_cast<const char*>(w + 64 * (NC / 2)), _MM_HINT_T0);
-      const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-      const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
-      const __m256 xb = _mm256_set1_ps(x[k]);
-      gacc[0] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_and_si256(qa, low)), gacc[0]);
-      gacc[1] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_and_si256(qb, low)), gacc[1]);
-      gacc[2] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4)), gacc[2]);
-      gacc[3] = _mm256_fmadd_ps(xb, _mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4)), gacc[3]);
+      for (int q = 0; q < PP; ++q) {
+        const uint8_t* w = panel + q * pstride + k * (NC / 2);
+        _mm_prefetch(reinterpret_cast<const char*>(w + 64 * (NC / 2)), _MM_HINT_T0);
+        const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+        const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
+        __m256 wv[NV];
+        if constexpr (HALF != 1) {
+          wv[0] = _mm256_cvtepi32_ps(_mm256_and_si256(qa, low));
+          wv[1] = _mm256_cvtepi32_ps(_mm256_and_si256(qb, low));
+        }
+        if constexpr (HALF < 0) {
+          wv[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4));
+          wv[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4));
+        }
+        if constexpr (HALF == 1) {
+          wv[0] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qa, 4));
+          wv[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(qb, 4));
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xb = _mm256_set1_ps(x[m * ldx + k]);
+          for (int v = 0; v < NV; ++v) gacc[q][m][v] = _mm256_fmadd_ps(xb, wv[v], gacc[q][m][v]);
+        }
+      }
     }
-    const __m256 off = _mm256_set1_ps(8.0f * xsum[g]);
-    for (int v = 0; v < 4; ++v)
-      acc[v] = _mm256_fmadd_ps(_mm256_sub_ps(gacc[v], off), _mm256_loadu_ps(scales + g * NC + 8 * v), acc[v]);
+    for (int q = 0; q < PP; ++q)
+      for (int m = 0; m < MR; ++m) {
+        const __m256 off = _mm256_set1_ps(8.0f * xsum[m * ldxs + g]);
+        for (int v = 0; v < NV; ++v) {
+          const __m256 s = _mm256_loadu_ps(scales + q * sstride + g * NC + 8 * (V0 + v));
+          acc[q][m][v] = _mm256_fmadd_ps(_mm256_sub_ps(gacc[q][m][v], off), s, acc[q][m][v]);
+        }
+      }
   }
-  for (int v = 0; v < 4; ++v) {
-    const int c = 8 * v;
-    __m256 a = acc[v];
-    if (bias) a = _mm256_add_ps(a, load8(bias + c, c, ncols));
-    store8(y + c, a, c, ncols);
+  for (int q = 0; q < PP; ++q) {
+    const int nq = q == PP - 1 ? ncols : NC;
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) {
+        const int c = 8 * (V0 + v);
+        __m256 a = acc[q][m][v];
+        if (bias) a = _mm256_add_ps(a, load8(bias + q * NC + c, c, nq));
+        store8(y + m * ldy + q * NC + c, a, c, nq);
+      }
   }
 }
 
@@ -348,6 +427,50 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t N
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias must be [N] fp32");
 }
 
+// AVX2 passes over panels pg .. pg + count - 1 of an M-row call. Rows go in blocks of up to 6 as
+// half-panel passes (2 vectors per row: 6-12 FMA chains) while 3 or more remain, each panel's
+// half kept in cache across the row blocks; the last one or two rows go over whole panels (4
+// vectors per row; one row takes two panels side by side), so a pass has >= 8 chains where the
+// rows allow. half(p, c0, r0, rows) and whole(p, pp, r0, rows) run the kernels.
+template <typename Half, typename Whole>
+void avx2_passes(int64_t M, int64_t N, int64_t pg, int count, Half&& half, Whole&& whole) {
+  const int64_t tail = M % 6 >= 3 ? 0 : M % 6;  // rows left for whole-panel passes
+  const int64_t blocked = M - tail;
+  if (blocked > 0)
+    for (int64_t p = pg; p < pg + count; ++p) {
+      const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+      for (int c0 = 0; c0 < NC && c0 < ncols; c0 += 16)
+        run_rows(blocked, 6, [&](int64_t r0, int rows) { half(p, c0, r0, rows); });
+    }
+  if (tail == 2) {
+    for (int64_t p = pg; p < pg + count; ++p) whole(p, std::integral_constant<int, 1>{}, blocked, std::integral_constant<int, 2>{});
+  } else if (tail == 1) {
+    int q = 0;
+    for (; q + 2 <= count; q += 2) whole(pg + q, std::integral_constant<int, 2>{}, blocked, std::integral_constant<int, 1>{});
+    for (; q < count; ++q) whole(pg + q, std::integral_constant<int, 1>{}, blocked, std::integral_constant<int, 1>{});
+  }
+}
+
+// fp16 / int8 (scale: null for fp16) through avx2_passes.
+template <typename WT>
+void linear_avx2(const float* xp, int64_t ldx, int64_t M, const WT* wp, int64_t K, const float* sp, const float* bp,
+                 float* yp, int64_t N, int64_t pg, int count) {
+  avx2_passes(
+      M, N, pg, count,
+      [&](int64_t p, int c0, int64_t r0, int rows) {
+        const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+        with_rows<6>(rows, [&](auto r) {
+          rows_avx2<decltype(r)::value, 2>(xp + r0 * ldx, ldx, wp + p * K * NC, K, c0, sp ? sp + p * NC : nullptr,
+                                           bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, ncols);
+        });
+      },
+      [&](int64_t p, auto pp, int64_t r0, auto rows) {
+        constexpr int PP = decltype(pp)::value, MR = decltype(rows)::value;
+        panels_avx2<MR, PP, WT>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K, sp ? sp + p * NC : nullptr,
+                                bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
+      });
+}
+
 torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                           const c10::optional<torch::Tensor>& bias) {
   check_inputs(x, packed, N, bias);
@@ -374,27 +497,7 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
       });
       return;
     }
-    for (int64_t p = pg; p < pg + count; ++p) {
-      const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
-      const uint16_t* panel = wp + p * K * NC;
-      const float* b = bp ? bp + p * NC : nullptr;
-      if (M <= 2) {  // one pass over all four vectors of the panel
-        run_rows(M, 2, [&](int64_t r0, int rows) {
-          const float* xr = xp + r0 * ldx;
-          float* yr = yp + r0 * N + p * NC;
-          with_rows<2>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 4>(xr, ldx, panel, K, 0, nullptr, b, yr, N, ncols); });
-        });
-      } else {  // half a panel per pass, up to 6 rows
-        for (int c0 = 0; c0 < NC; c0 += 16) {
-          if (c0 >= ncols) break;
-          run_rows(M, 6, [&](int64_t r0, int rows) {
-            const float* xr = xp + r0 * ldx;
-            float* yr = yp + r0 * N + p * NC;
-            with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, nullptr, b, yr, N, ncols); });
-          });
-        }
-      }
-    }
+    linear_avx2(xp, ldx, M, wp, K, nullptr, bp, yp, N, pg, count);
   });
   return y;
 }
@@ -428,20 +531,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
       });
       return;
     }
-    for (int64_t p = pg; p < pg + count; ++p) {
-      const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
-      const int8_t* panel = wp + p * K * NC;
-      const float* s = sp + p * NC;
-      const float* b = bp ? bp + p * NC : nullptr;
-      for (int c0 = 0; c0 < NC; c0 += 16) {
-        if (c0 >= ncols) break;
-        run_rows(M, 6, [&](int64_t r0, int rows) {
-          const float* xr = xp + r0 * ldx;
-          float* yr = yp + r0 * N + p * NC;
-          with_rows<6>(rows, [&](auto r) { rows_avx2<decltype(r)::value, 2>(xr, ldx, panel, K, c0, s, b, yr, N, ncols); });
-        });
-      }
-    }
+    linear_avx2(xp, ldx, M, wp, K, sp, bp, yp, N, pg, count);
   });
   return y;
 }
@@ -488,14 +578,25 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
       });
       return;
     }
-    for (int64_t p = pg; p < pg + count; ++p) {
-      const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
-      const uint8_t* panel = wp + p * K * (NC / 2);
-      const float* s = sp + p * sstride;
-      const float* b = bp ? bp + p * NC : nullptr;
-      for (int64_t r = 0; r < M; ++r)
-        int4_row_avx2(xp + r * ldx, xs + r * ldxs, panel, K, group, s, b, yp + r * N + p * NC, ncols);
-    }
+    avx2_passes(
+        M, N, pg, count,
+        [&](int64_t p, int c0, int64_t r0, int rows) {
+          const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+          with_rows<6>(rows, [&](auto r) {
+            constexpr int MR = decltype(r)::value;
+            const auto args = std::make_tuple(xp + r0 * ldx, ldx, xs + r0 * ldxs, ldxs, wp + p * K * (NC / 2),
+                                              K * (NC / 2), K, group, sp + p * sstride, sstride,
+                                              bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, ncols);
+            if (c0 == 0) std::apply(int4_rows_avx2<MR, 1, 0>, args);
+            else std::apply(int4_rows_avx2<MR, 1, 1>, args);
+          });
+        },
+        [&](int64_t p, auto pp, int64_t r0, auto rows) {
+          constexpr int PP = decltype(pp)::value, MR = decltype(rows)::value;
+          int4_rows_avx2<MR, PP, -1>(xp + r0 * ldx, ldx, xs + r0 * ldxs, ldxs, wp + p * K * (NC / 2), K * (NC / 2), K,
+                                     group, sp + p * sstride, sstride, bp ? bp + p * NC : nullptr,
+                                     yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
+        });
   });
   return y;
 }
