@@ -86,13 +86,25 @@ def _vnni() -> bool:
     return native_kernels() is not None and native_kernels().has_vnni()
 
 
+def _int8_dot() -> bool:  # the int4 x int8 kernel: AVX-512 VNNI or AVX2
+    return native_kernels() is not None and native_kernels().int8_dot_isa() != "none"
+
+
+def _needs(kind: str | None) -> str | None:  # why a kernel kind cannot run here (None: it can)
+    if kind == "int8_vnni" and not _vnni():
+        return "no AVX-512 VNNI on this CPU"
+    if kind == "int4_vnni" and not _int8_dot():
+        return "no int4 x int8 kernel on this CPU"
+    return None
+
+
 @pytest.mark.parametrize("kind", ["fp16", "int8", "int4", "int8_vnni", "int4_vnni"])
 @pytest.mark.parametrize("shape", [(1536, 256), (896, 4864), (64, 45), (128, 33), (256, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_rows_are_bitwise_invariant(kind, shape):
     """Row i of an M-row call equals the 1-row call on row i, bit for bit, for M = 1..32 (the
     1-3 row passes run several panels side by side: 200 columns = 6 full panels and a tail)."""
-    if kind.endswith("_vnni") and not _vnni():
-        pytest.skip("no AVX-512 VNNI on this CPU")
+    if _needs(kind):
+        pytest.skip(_needs(kind))
     k, n = shape
     if kind.startswith("int4") and k % 64:
         pytest.skip("int4 needs K divisible by 64")
@@ -146,9 +158,10 @@ def test_vnni_kernel_is_its_integer_sums(k):
 def test_int4_vnni_kernel_is_its_integer_sums(n):
     """int4 x int8: y = sx * sum_g s_g (sum_{k in g} (q_k - 8) xq_k) + b with xq = round(x / sx),
     sx = max|x| / 127 per row, recomputed here (exact integer group sums) and compared to fp32
-    rounding; the packing round-trips and the weights are int4_native's."""
-    if not _vnni():
-        pytest.skip("no AVX-512 VNNI on this CPU")
+    rounding; the packing round-trips and the weights are int4_native's. 11 rows: the AVX2
+    kernel's two-row passes and its one-row pass over two panels side by side."""
+    if _needs("int4_vnni"):
+        pytest.skip(_needs("int4_vnni"))
     k = 256
     lin = _fp16_linear(k, n, bias=True, seed=10)
     module, plain = NativeInt4VNNILinear(lin), NativeInt4Linear(lin)
@@ -261,8 +274,8 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
     from cascade.models.quantize import quantized_copy
     from cascade.tree import tree_mask, tree_positions
 
-    if quantize and quantize.endswith("_vnni") and not _vnni():
-        pytest.skip("no AVX-512 VNNI on this CPU")
+    if _needs(quantize):
+        pytest.skip(_needs(quantize))
     base = _native_tiny(hidden_size=64, num_layers=2)
     lm = base if quantize is None else quantized_copy(base, quantize)
     fused, ops = lm.lean, LeanDecoder(lm.model, fused_layers=False)
@@ -423,7 +436,7 @@ def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
         "int8 vnni": lambda: QuantizedLMDrafter(lm, "int8_vnni" if _vnni() else "int8_native", k=4),
         "int4 native": lambda: QuantizedLMDrafter(lm, "int4_native", k=3) if lm.model.config.hidden_size % 64 == 0
         else QuantizedLMDrafter(lm, "int8_native", k=3),
-        "int4 vnni": lambda: QuantizedLMDrafter(lm, "int4_vnni", k=3) if lm.model.config.hidden_size % 64 == 0 and _vnni()
+        "int4 vnni": lambda: QuantizedLMDrafter(lm, "int4_vnni", k=3) if lm.model.config.hidden_size % 64 == 0 and _int8_dot()
         else QuantizedLMDrafter(lm, "int8_native", k=3),
         "cascade": lambda: VerticalCascade([SmallLMDrafter(lm, k=5), NGramDrafter(k=2)]),
         "draft head": lambda: DraftHeadDrafter("init", k=3),

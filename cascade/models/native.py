@@ -318,17 +318,18 @@ def unpack_int4_vnni(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 class NativeInt4VNNILinear(NativeInt4Linear):
     """The int4 weights of :class:`NativeInt4Linear` (packed for vpdpbusd: [P, K / 4, 64]) times
-    int8 activations quantized per row at each call, int32 sums per group (AVX-512 VNNI): a
-    drafter's token at its bytes' cost, where fp32 arithmetic on int4 weights is bound by the
-    unpacking and the FMAs (a drafter's)."""
+    int8 activations quantized per row at each call, int32 sums per group (vpdpbusd on AVX-512
+    VNNI; vpmaddubsw + vpmaddwd on AVX2, the same integer sums and so the same result bit for
+    bit): a drafter's token nearer its bytes' cost, where fp32 arithmetic on int4 weights is
+    bound by the unpacking and the FMAs (a drafter's)."""
 
     pack = staticmethod(pack_int4_vnni)
     unpack = staticmethod(unpack_int4_vnni)
 
     def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
         super().__init__(linear, group)
-        if not _ext().has_vnni():
-            raise RuntimeError("quantize='int4_vnni' needs AVX-512 VNNI (use 'int4_native')")
+        if _ext().int8_dot_isa() == "none":
+            raise RuntimeError("quantize='int4_vnni' needs AVX-512 VNNI or AVX2 (use 'int4_native')")
 
     def _matmul(self, x2d):
         return _ext().linear_int4_vnni(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -938,9 +939,119 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_vnni_rows(const
   }
 }
 
+// int4 x int8 on AVX2 (no VNNI): vpdpbusd's sum of four u8 x s8 products per 32-bit lane as
+// vpmaddubsw (u8 x s8 -> s16 pair sums, at most 2 * 15 * 127 = 3810: no saturation) then
+// vpmaddwd with ones (-> s32): the same integer sums, and the float steps of int4_vnni_rows in
+// its order, so the result is bitwise the AVX-512 kernel's. Why: on AVX2 int4_native's unpack,
+// convert and FMA per weight bind a one-row call at ~2x its bytes' time; this is ~3x fewer
+// instructions per weight. A 64-byte block of four k holds columns 0-7 / 16-23 in bytes 0-31
+// (low / high nibbles) and 8-15 / 24-31 in bytes 32-63: iacc[q][m][v] sums columns 8v .. 8v + 7.
+// MR <= 2 (more rows go two at a time, the panel re-read from cache).
+template <int MR, int PP>
+__attribute__((target("avx2,fma,f16c"))) void int4_i8_rows_avx2(const int8_t* xq, int64_t ldxq, const int32_t* xsum,
+                                                                 int64_t ldxs, const float* sx, const uint8_t* panel,
+                                                                 int64_t pstride, int64_t K, int64_t G,
+                                                                 const float* scales, int64_t sstride,
+                                                                 const float* bias, float* y, int64_t ldy, int ncols) {
+  __m256 acc[PP][MR][4];
+  for (int q = 0; q < PP; ++q)
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < 4; ++v) acc[q][m][v] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m256i iacc[PP][MR][4];
+    for (int q = 0; q < PP; ++q)
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < 4; ++v) iacc[q][m][v] = _mm256_setzero_si256();
+    for (int64_t k4 = g * G / 4; k4 < (g + 1) * G / 4; ++k4) {
+      __m256i w[PP][4];
+      for (int q = 0; q < PP; ++q) {
+        const uint8_t* wg = panel + q * pstride + k4 * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wg + 16 * 64), _MM_HINT_T0);
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
+        w[q][0] = _mm256_and_si256(a, low);
+        w[q][1] = _mm256_and_si256(b, low);
+        w[q][2] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+        w[q][3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t four;
+        std::memcpy(&four, xq + m * ldxq + 4 * k4, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        for (int q = 0; q < PP; ++q)
+          for (int v = 0; v < 4; ++v)
+            iacc[q][m][v] = _mm256_add_epi32(iacc[q][m][v], _mm256_madd_epi16(_mm256_maddubs_epi16(w[q][v], xb), ones));
+      }
+    }
+    for (int q = 0; q < PP; ++q)
+      for (int m = 0; m < MR; ++m) {
+        const __m256i off = _mm256_set1_epi32(8 * xsum[m * ldxs + g]);
+        for (int v = 0; v < 4; ++v) {
+          const __m256 sg = _mm256_loadu_ps(scales + q * sstride + g * NC + 8 * v);
+          acc[q][m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(iacc[q][m][v], off)), sg, acc[q][m][v]);
+        }
+      }
+  }
+  for (int q = 0; q < PP; ++q) {
+    const int nq = q == PP - 1 ? ncols : NC;
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xs = _mm256_set1_ps(sx[m]);
+      for (int v = 0; v < 4; ++v) {
+        const int c = 8 * v;
+        __m256 a = _mm256_mul_ps(acc[q][m][v], xs);
+        if (bias) a = _mm256_add_ps(a, load8(bias + q * NC + c, c, nq));
+        store8(y + m * ldy + q * NC + c, a, c, nq);
+      }
+    }
+  }
+}
+
+// row_amax / quantize_row (multiply form) on AVX2, the same results: max does not round, and
+// vcvtps2dq rounds to nearest even under the default MXCSR, as std::nearbyint does.
+__attribute__((target("avx2,fma,f16c"))) float row_amax_avx2(const float* x, int64_t K) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float amax = 0.0f;
+  for (float v : lanes) amax = std::max(amax, v);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  return amax;
+}
+
+__attribute__((target("avx2,fma,f16c"))) int32_t quantize_row_avx2(const float* x, int64_t K, float s, int8_t* q) {
+  const __m256 sv = _mm256_set1_ps(s);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i sum = _mm256_setzero_si256();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256i r = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), sv)), lo), hi);
+    sum = _mm256_add_epi32(sum, r);
+    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // in range: exact
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+  int32_t total = 0;
+  for (int32_t v : lanes) total += v;
+  for (; k < K; ++k) {
+    const int r = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(x[k] * s))));
+    q[k] = static_cast<int8_t>(r);
+    total += r;
+  }
+  return total;
+}
+
+// Which kernel the int4 x int8 path runs here: AVX-512 VNNI, AVX2 (vpmaddubsw) or none.
+std::string int8_dot_isa() { return has_vnni() ? "avx512_vnni" : isa() != Isa::none ? "avx2" : "none"; }
+
 torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(has_vnni(), "the int4 x int8 kernel needs AVX-512 VNNI");
+  const bool vnni = has_vnni();
+  TORCH_CHECK(vnni || isa() != Isa::none, "the int4 x int8 kernel needs AVX-512 VNNI or AVX2");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && (x.stride(1) == 1 || x.size(1) == 1), "x must be 2-D fp32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 64,
               "packed weight must be [P, K / 4, 64] uint8");
@@ -962,12 +1073,15 @@ torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& pack
   int32_t* xs = xsum.data_ptr<int32_t>();
   float* sp = sx.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    const float amax = row_amax(xp + m * ldx, K);
+    const float amax = vnni ? row_amax(xp + m * ldx, K) : row_amax_avx2(xp + m * ldx, K);
     const float s = amax > 0 ? amax / 127.0f : 1.0f;
     const float inv = 1.0f / s;
     sp[m] = s;
-    for (int64_t g = 0; g < ldxs; ++g)
-      xs[m * ldxs + g] = quantize_row<false>(xp + m * ldx + g * group, group, inv, qp + m * K + g * group);
+    for (int64_t g = 0; g < ldxs; ++g) {
+      const float* xg = xp + m * ldx + g * group;
+      int8_t* qg = qp + m * K + g * group;
+      xs[m * ldxs + g] = vnni ? quantize_row<false>(xg, group, inv, qg) : quantize_row_avx2(xg, group, inv, qg);
+    }
   }
   // 2. the products, panels split between the threads
   auto y = torch::empty({M, N}, x.options());
@@ -977,6 +1091,24 @@ torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& pack
   float* yp = y.data_ptr<float>();
   const int64_t sstride = (K / group) * NC, pstride = K / 4 * 64;
   for_panel_groups(P, [&](int64_t pg, int count) {
+    if (!vnni) {  // AVX2: two rows per pass over one panel, one row over two panels side by side
+      run_rows(M, 2, [&](int64_t r0, int rows) {
+        const auto pass = [&](int64_t p, auto mr, auto pp) {
+          constexpr int MR = decltype(mr)::value, PP = decltype(pp)::value;
+          int4_i8_rows_avx2<MR, PP>(qp + r0 * K, K, xs + r0 * ldxs, ldxs, sp + r0, wp + p * pstride, pstride, K, group,
+                                    scp + p * sstride, sstride, bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N,
+                                    pass_ncols(N, p, PP));
+        };
+        int q = 0;
+        if (rows == 1)
+          for (; q + 2 <= count; q += 2) pass(pg + q, std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{});
+        for (; q < count; ++q) {
+          if (rows == 1) pass(pg + q, std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{});
+          else pass(pg + q, std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{});
+        }
+      });
+      return;
+    }
     run_rows(M, 4, [&](int64_t r0, int rows) {
       with_rows<4>(rows, [&](auto r) {
         constexpr int MR = decltype(r)::value;
@@ -1102,6 +1234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "softmax(scaling q k^T + mask) v over the cache, [B, n, H, D] out; no mask: causal",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(), py::arg("scaling") = 1.0);
   m.def("has_vnni", &has_vnni, "whether the int8 x int8 kernel (AVX-512 VNNI) runs here");
+  m.def("int8_dot_isa", &int8_dot_isa, "the int4 x int8 kernel's instruction set here: avx512_vnni, avx2 or none");
   m.def("linear_int4_vnni", &linear_int4_vnni,
         "y = sx * sum_g s_g (xq . Q_g - 8 sum_g xq) (+ bias): int4 weights packed [P, K / 4, 64], activations int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("N"), py::arg("bias") = py::none());
