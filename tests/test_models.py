@@ -88,7 +88,7 @@ def test_auto_quantization_choice():
     from cascade.models.quantize import resolve_method
 
     ext = native_kernels()  # (tests/test_native.py runs the no-extension branch with it disabled)
-    expected = "int8_dynamic" if ext is None else ("int4_vnni" if ext.has_vnni() else "int8_native")
+    expected = "int8_dynamic" if ext is None else ("int4_vnni" if ext.int8_dot_isa() != "none" else "int8_native")
     assert resolve_method("auto", torch.device("cpu")) == expected
     assert resolve_method("auto", torch.device("cuda")) == "nf4"
     assert resolve_method("int8_native", torch.device("cpu")) == "int8_native"

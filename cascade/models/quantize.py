@@ -18,16 +18,18 @@ Methods:
     "int4_native"   CPU. The same with int4 weights, one scale per output column and group of 64
                     along K (an eighth of fp32's bytes); a layer whose K is not a multiple of 64
                     keeps fp32.
-    "int4_vnni"     CPU with AVX-512 VNNI. int4_native's weights times int8 activations quantized per
-                    row at each call, int32 sums per group (``NativeInt4VNNILinear``): the same bytes
-                    as int4_native without its per-weight unpacking and fp32 multiply-adds, which
-                    bound int4_native at ~2x its bytes' time on one row; activations rounded.
+    "int4_vnni"     CPU with AVX-512 VNNI or AVX2. int4_native's weights times int8 activations
+                    quantized per row at each call, int32 sums per group (``NativeInt4VNNILinear``;
+                    vpdpbusd, or on AVX2 vpmaddubsw + vpmaddwd: the same sums, the same result): the
+                    same bytes as int4_native without its per-weight unpacking and fp32
+                    multiply-adds, which bound int4_native at ~2x its bytes' time on one row;
+                    activations rounded.
     "nf4"           CUDA. bitsandbytes 4-bit NF4 through transformers' ``BitsAndBytesConfig``
                     (bf16 compute), applied while loading.
-    "auto"          nf4 on CUDA. On CPU the fastest drafter measured (docs/results.md, bench/kernels):
-                    int4_vnni where the native kernels build and the CPU has AVX-512 VNNI,
-                    int8_native where they build without VNNI (int4_native's unpacking was not
-                    measured on an AVX2-only CPU), int8_dynamic where they do not build.
+    "auto"          nf4 on CUDA. On CPU the fastest drafter measured (docs/results.md, bench/kernels;
+                    docs/backends.md for the AVX2-only EPYC): int4_vnni where the native kernels
+                    build (AVX-512 VNNI or AVX2), int8_native should a build lack the int4 x int8
+                    kernel, int8_dynamic where they do not build.
 
 The quantized model is a different model: a drafter built on it stays lossless (the target
 verifies), it only changes acceptance. Quantization is not cached on disk: dynamic int8
@@ -68,7 +70,7 @@ def auto_cpu_method() -> str:
     ext = native_kernels()
     if ext is None:
         return "int8_dynamic"
-    return "int4_vnni" if ext.has_vnni() else "int8_native"
+    return "int4_vnni" if ext.int8_dot_isa() != "none" else "int8_native"
 
 
 # method -> the native linear it swaps in (weight-only int8 / int4, or int8 x int8 with VNNI)
