@@ -35,7 +35,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -583,13 +582,14 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
         M, N, pg, count,
         [&](int64_t p, int c0, int64_t r0, int rows) {
           const int ncols = static_cast<int>(std::min<int64_t>(NC, N - p * NC));
+          const auto pass = [&](auto r, auto half) {
+            int4_rows_avx2<decltype(r)::value, 1, decltype(half)::value>(
+                xp + r0 * ldx, ldx, xs + r0 * ldxs, ldxs, wp + p * K * (NC / 2), K * (NC / 2), K, group,
+                sp + p * sstride, sstride, bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, ncols);
+          };
           with_rows<6>(rows, [&](auto r) {
-            constexpr int MR = decltype(r)::value;
-            const auto args = std::make_tuple(xp + r0 * ldx, ldx, xs + r0 * ldxs, ldxs, wp + p * K * (NC / 2),
-                                              K * (NC / 2), K, group, sp + p * sstride, sstride,
-                                              bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, ncols);
-            if (c0 == 0) std::apply(int4_rows_avx2<MR, 1, 0>, args);
-            else std::apply(int4_rows_avx2<MR, 1, 1>, args);
+            if (c0 == 0) pass(r, std::integral_constant<int, 0>{});
+            else pass(r, std::integral_constant<int, 1>{});
           });
         },
         [&](int64_t p, auto pp, int64_t r0, auto rows) {
@@ -750,6 +750,19 @@ __attribute__((target("avx512f"))) float row_amax(const float* x, int64_t K) {
   return amax;
 }
 
+// quantize_row's scalar form over k0 .. K - 1 (the vector loops' tails): returns sum q_k.
+template <bool Divide>
+int32_t quantize_scalar(const float* x, int64_t k0, int64_t K, float s, int8_t* q) {
+  int32_t total = 0;
+  for (int64_t k = k0; k < K; ++k) {
+    const float v = Divide ? x[k] / s : x[k] * s;
+    const int r = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(v))));
+    q[k] = static_cast<int8_t>(r);
+    total += r;
+  }
+  return total;
+}
+
 // q_k = clamp(round(x_k op s), -127, 127), op: divide (int8_vnni) or multiply (int4_vnni, s the
 // reciprocal), rounding to nearest even as std::nearbyint does; returns sum_k q_k. Vectorized
 // (the quantization was a scalar loop costing ~10-25 us per row of 896-4864, a third of a
@@ -766,14 +779,7 @@ __attribute__((target("avx512f,avx512bw"))) int32_t quantize_row(const float* x,
     sum = _mm512_add_epi32(sum, r);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(r));
   }
-  int32_t total = _mm512_reduce_add_epi32(sum);
-  for (; k < K; ++k) {
-    const float v = Divide ? x[k] / s : x[k] * s;
-    const int r = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(v))));
-    q[k] = static_cast<int8_t>(r);
-    total += r;
-  }
-  return total;
+  return _mm512_reduce_add_epi32(sum) + quantize_scalar<Divide>(x, k, K, s, q);
 }
 
 template <int MR, int PP>
@@ -1037,12 +1043,7 @@ __attribute__((target("avx2,fma,f16c"))) int32_t quantize_row_avx2(const float* 
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
   int32_t total = 0;
   for (int32_t v : lanes) total += v;
-  for (; k < K; ++k) {
-    const int r = std::max(-127, std::min(127, static_cast<int>(std::nearbyint(x[k] * s))));
-    q[k] = static_cast<int8_t>(r);
-    total += r;
-  }
-  return total;
+  return total + quantize_scalar<false>(x, k, K, s, q);
 }
 
 // Which kernel the int4 x int8 path runs here: AVX-512 VNNI, AVX2 (vpmaddubsw) or none.
