@@ -2,8 +2,8 @@
 
 Reference (independent of the code under test). ``exact_law`` enumerates every continuation of
 length L (L >= 6) on a tiny vocabulary and computes its exact probability from the Hugging Face
-model's own forward (``model(input_ids).logits``, a fresh forward per prefix, no cache) and
-transformers' own logits warpers in ``generate``'s order (temperature, top-k, top-p). It never
+model's own forward (``model(input_ids).logits``: one batched forward per depth over every
+prefix of that length, no cache) and transformers' own logits warpers in ``generate``'s order (temperature, top-k, top-p). It never
 calls ``cascade.sampling``, ``cascade.verify`` or ``CausalLM``.
 
 Samples. ``sample_outputs`` runs ``cascade.generate`` with ``max_new_tokens = L`` so that the
@@ -59,22 +59,25 @@ def hf_warpers(temperature: float, top_k: int | None, top_p: float | None) -> Lo
 
 
 @torch.no_grad()
-def exact_law(hf_model, prompt: list[int], length: int, temperature: float, top_k=None, top_p=None) -> np.ndarray:
-    """P(first ``length`` generated tokens = x) for every x: an array of shape [V] * length."""
+def exact_law(hf_model, prompt: list[int], length: int, temperature: float, top_k=None, top_p=None,
+              batch: int = 1024) -> np.ndarray:
+    """P(first ``length`` generated tokens = x) for every x: an array of shape [V] * length.
+    Depth by depth, every prefix of positive mass is one row of a batched forward (they all have
+    the same length, so no padding and no mask: the model's own causal forward)."""
     warpers = hf_warpers(temperature, top_k, top_p)
     vocab = hf_model.get_output_embeddings().out_features
     law = np.zeros((vocab,) * length)
-    frontier = [((), 1.0)]
+    prefixes, masses = [()], np.ones(1)
     for depth in range(length):
-        nxt = []
-        for prefix, mass in frontier:
-            ids = torch.tensor([prompt + list(prefix)], device=hf_model.device)
-            logits = hf_model(input_ids=ids).logits[:, -1].double()  # [1, V]
-            probs = torch.softmax(warpers(ids, logits), dim=-1)[0].cpu().numpy()
-            for x in np.flatnonzero(probs > 0):
-                nxt.append((prefix + (int(x),), mass * float(probs[x])))
-        frontier = nxt
-    for seq, mass in frontier:
+        probs = np.zeros((len(prefixes), vocab))
+        for a in range(0, len(prefixes), batch):
+            ids = torch.tensor([prompt + list(p) for p in prefixes[a:a + batch]], device=hf_model.device)  # [b, T]
+            logits = hf_model(input_ids=ids).logits[:, -1].double()  # [b, V]
+            probs[a:a + len(ids)] = torch.softmax(warpers(ids, logits), dim=-1).cpu().numpy()
+        rows, tokens = np.nonzero(probs > 0)
+        prefixes = [prefixes[r] + (int(x),) for r, x in zip(rows, tokens)]
+        masses = masses[rows] * probs[rows, tokens]
+    for seq, mass in zip(prefixes, masses):
         law[seq] = mass
     return law
 
