@@ -3,8 +3,8 @@
 Reference (independent of the code under test). ``exact_law`` enumerates every continuation of
 length L (L >= 6) on a tiny vocabulary and computes its exact probability from the Hugging Face
 model's own forward (``model(input_ids).logits``: one batched forward per depth over every
-prefix of that length, no cache) and transformers' own logits warpers in ``generate``'s order (temperature, top-k, top-p). It never
-calls ``cascade.sampling``, ``cascade.verify`` or ``CausalLM``.
+prefix of that length, no cache) and transformers' own logits warpers in ``generate``'s order
+(temperature, top-k, top-p). It never calls ``cascade.sampling``, ``cascade.verify`` or ``CausalLM``.
 
 Samples. ``sample_outputs`` runs ``cascade.generate`` with ``max_new_tokens = L`` so that the
 first step drafts up to ``L - 1`` tokens deep, and every later step of the generation is
