@@ -201,7 +201,7 @@ def main() -> None:
         lean = kwargs.pop("lean", True)
         lms[name] = load_model(args.model, **kwargs)
         if not lean:  # the native kernels under transformers' own forward: what the lean forward saves
-            lms[name].lean = None
+            lms[name].lean, lms[name].auto_direct = None, False
         elif lean == "ops":  # the lean forward one Python call per operation: what the two-call layers save
             lms[name].lean = LeanDecoder(lms[name].model, fused_layers=False)
     first = next(iter(lms.values()))

@@ -276,3 +276,74 @@ def test_shared_models_load_one_copy_per_set_of_arguments():
         with shared_models():  # nested: the same table
             assert load_model("tiny:0", dtype="float64") is a
     assert load_model("tiny:0", dtype="float64") is not a
+
+
+def _direct_vs_transformers(lm):
+    """Outputs of the same calls through lm.forward and lm.transformers_forward: a prefill with
+    two layers' hidden states, a chain step with keep_last, a tree step (siblings, own positions)
+    with the final-norm states, a compaction to one tree path, and a step after it."""
+    from cascade.tree import tree_mask, tree_positions
+
+    def calls(forward):
+        cache = lm.new_cache()
+        outs = list(forward(list(range(3, 20)), cache, return_hidden=(1, -1)))
+        outs.append(forward([5, 9, 11], cache, keep_last=2))
+        past = lm.cache_len(cache)
+        parents = [-1, 0, 0, 1]  # [root] + 4 nodes: two siblings below the first node
+        outs.extend(forward([4, 8, 12, 16, 20], cache, position_ids=tree_positions(parents, past),
+                            attention_mask=tree_mask(parents, past), return_hidden=-1))
+        lm.compact(cache, past, [0, 1, 2, 4])  # root, first node, its first child, that child's
+        outs.append(forward([7], cache))
+        return outs
+
+    return calls(lm.forward), calls(lm.transformers_forward)
+
+
+def test_direct_decoder_is_attached_and_bitwise_transformers_forward():
+    """A model off the native kernels runs transformers' forward with its modules called directly
+    (DirectDecoder, checked on a probe at the first forward): bitwise the same logits and hidden
+    states on chains, trees, compaction and keep_last; and layer-level access (early exits) is
+    bitwise the full forward's states after that layer."""
+    from cascade.models.direct import DirectDecoder, LlamaLayer, ModuleLayer
+    from cascade.models.layers import run_layers
+
+    lm = tiny_llama(vocab_size=40, num_layers=3, seed=2)
+    assert lm.lean is None and lm.auto_direct
+    mine, theirs = _direct_vs_transformers(lm)
+    assert isinstance(lm.lean, DirectDecoder) and not lm.auto_direct
+    assert all(isinstance(step, LlamaLayer) for step in lm.lean.steps)  # written out, not the modules' forwards
+    assert len(mine) == len(theirs) == 6
+    for a, b in zip(mine, theirs):
+        assert a.shape == b.shape and torch.equal(a, b)
+    lm.lean = DirectDecoder(lm.model, explicit=False)  # each layer's own forward (other architectures)
+    assert all(isinstance(step, ModuleLayer) for step in lm.lean.steps)
+    for a, b in zip(*_direct_vs_transformers(lm)):
+        assert torch.equal(a, b)
+    _, after_one = lm.transformers_forward(list(range(3, 12)), lm.new_cache(), return_hidden=1)
+    assert torch.equal(run_layers(lm, list(range(3, 12)), lm.new_cache(), 1), after_one)
+
+
+def test_direct_decoder_is_refused_where_the_model_forward_does_more(caplog):
+    """A model whose own forward does something its layers do not (here: logits scaled after the
+    head) keeps transformers' forward, with the reason logged; auto_direct=False keeps it too."""
+    import logging
+
+    from cascade.models.lm import CausalLM
+
+    lm = tiny_llama(vocab_size=40, num_layers=2, seed=3)
+    plain = lm.model.forward
+
+    def scaled(*args, **kwargs):
+        out = plain(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    lm.model.forward = scaled
+    with caplog.at_level(logging.INFO, logger="cascade.models.direct"):
+        logits = lm.forward([1, 2, 3], lm.new_cache())
+    assert lm.lean is None and "differ from transformers' forward" in caplog.text
+    assert torch.equal(logits, lm.transformers_forward([1, 2, 3], lm.new_cache()))
+    lm.model.forward = plain
+    off = CausalLM(lm.model, None, "tiny", auto_direct=False)
+    off.forward([1, 2], off.new_cache())
+    assert off.lean is None

@@ -304,13 +304,13 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
 
 def _both_paths(lm, fn):
     """fn(lm) with the lean forward and with transformers' forward on the same modules."""
-    lean = lm.lean
+    lean, auto = lm.lean, lm.auto_direct
     try:
         a = fn(lm)
-        lm.lean = None
+        lm.lean, lm.auto_direct = None, False
         b = fn(lm)
     finally:
-        lm.lean = lean
+        lm.lean, lm.auto_direct = lean, auto
     return a, b
 
 

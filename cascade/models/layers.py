@@ -1,10 +1,10 @@
 """Layer-level access to a decoder-only model: run its first ``n`` layers on its own KV cache.
 
-This is the one place that knows how a transformers decoder is put together (embeddings, a
-``layers`` list, a final ``norm``, a ``rotary_emb``, the LM head): the Llama / Qwen2 / Mistral
-family, whose ``Model.forward`` this mirrors layer for layer (same mask builder, same position
-embeddings, same layer call), stopping after ``n`` layers. Nothing here mutates the model or its
-config: self-drafting shares the target's weights and cache as they are.
+Decoders built like Llama / Qwen2 / Mistral (embeddings, a ``layers`` list, a final ``norm``, a
+``rotary_emb``, the LM head): the first ``n`` layers run through
+``cascade.models.direct.DirectDecoder.run``, which mirrors the model's own forward layer for
+layer (same mask builder, same position embeddings, same layer call). Nothing here mutates the
+model or its config: self-drafting shares the target's weights and cache as they are.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from cascade.models.direct import DirectDecoder
 from cascade.models.lm import CausalLM
 
 
@@ -71,15 +71,6 @@ def decoder_parts(lm: CausalLM) -> DecoderParts:
                         lm.model.get_output_embeddings(), lm.model.config)
 
 
-def _masks(config, hidden: torch.Tensor, attention_mask, cache, position_ids) -> dict:
-    kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask, "cache": cache,
-              "position_ids": position_ids}
-    masks = {"full_attention": create_causal_mask(**kwargs)}
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-    return masks
-
-
 @torch.inference_mode()
 def run_layers(
     lm: CausalLM,
@@ -94,19 +85,13 @@ def run_layers(
     parts = decoder_parts(lm)
     if not 1 <= n_layers <= parts.num_layers:
         raise ValueError(f"n_layers must lie in [1, {parts.num_layers}], got {n_layers}")
-    ids = torch.as_tensor(tokens, dtype=torch.long, device=lm.device).reshape(1, -1)  # [1, n]
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=lm.device).reshape(-1)  # [n]
     if position_ids is None:
         start = int(cache.layers[0].get_seq_length()) if len(cache.layers) else 0
-        position_ids = torch.arange(start, start + ids.shape[1], device=lm.device)
-    position_ids = position_ids.reshape(1, -1).to(lm.device)  # [1, n]
-    hidden = parts.embed(ids)  # [1, n, H]
-    masks = _masks(parts.config, hidden, attention_mask, cache, position_ids)
-    position_embeddings = parts.rotary(hidden, position_ids=position_ids)
-    layer_types = getattr(parts.config, "layer_types", None) or ["full_attention"] * parts.num_layers
-    for i, layer in enumerate(parts.layers[:n_layers]):
-        hidden = layer(hidden, attention_mask=masks[layer_types[i]], position_embeddings=position_embeddings,
-                       position_ids=position_ids, cache=cache, use_cache=True)
-    return hidden[0]  # [n, H]
+        position_ids = torch.arange(start, start + ids.shape[0], device=lm.device)
+    hidden, _ = DirectDecoder(lm.model).run(ids, cache, position_ids.reshape(-1).to(lm.device), attention_mask,
+                                            n_layers)
+    return hidden  # [n, H]
 
 
 @torch.inference_mode()

@@ -10,12 +10,13 @@ layer access) live in this package only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
+from cascade.models.direct import DirectDecoder, checked_direct_decoder
 from cascade.models.lean import LeanDecoder
 
 # ``return_hidden=FINAL_HIDDEN``: the last layer's hidden states after the final norm, i.e. the LM
@@ -118,12 +119,22 @@ class CausalLM:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     name: str
-    lean: LeanDecoder | None = None  # the lean forward (native backends; ``cascade.models.lean``), else transformers'
+    # The forward that runs: a LeanDecoder (native backends; ``cascade.models.lean``), a
+    # DirectDecoder (transformers' forward with its modules called directly; bitwise the same,
+    # ``cascade.models.direct``), or None: transformers' forward itself.
+    lean: LeanDecoder | DirectDecoder | None = None
+    # At the first forward, with ``lean`` None: attach a DirectDecoder if it reproduces
+    # transformers' forward bit for bit on a probe (else keep transformers'). False: leave ``lean``.
+    auto_direct: bool = field(default=True, kw_only=True)
 
     # ---- facts -------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        # the input embedding's (where ``model.device``, the first parameter's, is too), without
+        # walking the parameters on every forward
+        embed = self.model.get_input_embeddings()
+        weight = getattr(embed, "weight", None)
+        return weight.device if isinstance(weight, torch.Tensor) else self.model.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -227,9 +238,26 @@ class CausalLM:
         if bad or FINAL_HIDDEN in wanted[:-1] or (isinstance(return_hidden, tuple) and not wanted):
             raise ValueError(f"return_hidden must name layers in [1, {layers - 1}], FINAL_HIDDEN (-1) only last, "
                              f"got {return_hidden}")
+        if self.auto_direct:  # decided once, at the first forward
+            self.auto_direct = False
+            if self.lean is None:
+                self.lean = checked_direct_decoder(self)
         if self.lean is not None:
             return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(self.device), attention_mask,
                                      keep_last, return_hidden)
+        return self.transformers_forward(ids[0], cache, position_ids, attention_mask, keep_last, return_hidden)
+
+    @torch.inference_mode()
+    def transformers_forward(self, tokens: torch.Tensor | list[int], cache: DynamicCache,
+                             position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                             keep_last: int | None = None, return_hidden: HiddenLayers = None):
+        """:meth:`forward` through ``model(...)`` itself, whatever ``lean`` holds (the reference
+        the lean and direct forwards are checked against)."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
+        if position_ids is None:
+            start = self.cache_len(cache)
+            position_ids = torch.arange(start, start + ids.shape[1], device=self.device)
+        wanted = hidden_layers(return_hidden)
         out = self.model(
             input_ids=ids,
             cache=cache,
