@@ -40,13 +40,14 @@ def first_difference(lm, cache, past: int, tokens: list[int]) -> str:
             hooks.append(module.register_forward_hook(
                 lambda m, a, o, name=name: seen.setdefault(name, []).append(o.detach().reshape(-1, o.shape[-1]).clone())))
     try:
-        lm.crop(cache, past)
-        lm.forward(tokens, cache)
-        batched = {n: v[0] for n, v in seen.items()}
-        seen.clear()
-        lm.crop(cache, past)
-        for t in tokens:
-            lm.forward([t], cache)
+        with lm.module_calls():  # every module called as a module, so that the hooks see it
+            lm.crop(cache, past)
+            lm.forward(tokens, cache)
+            batched = {n: v[0] for n, v in seen.items()}
+            seen.clear()
+            lm.crop(cache, past)
+            for t in tokens:
+                lm.forward([t], cache)
         for name, _ in modules:
             single = torch.cat(seen[name])
             if not torch.equal(batched[name], single):

@@ -108,16 +108,23 @@ def component_times(lm, k: int, repeats: int) -> dict[str, float]:
     kernel alone on the lean forward (which calls no attention module: its RoPE and cache write
     fall in other); mlp: the MLP module on transformers' forward, its three linears on the lean
     forward (the activation then falls in other); lm_head; other: the rest (embedding, norms,
-    framework). A lean forward with two-call layers is timed as its per-operation twin (hooks
-    see only module calls): what the two calls save shows in the main table, not here."""
-    from cascade.models import native
+    framework). A lean forward with two-call layers is timed as its per-operation twin, the
+    direct forward with every module called as a module (hooks see only module calls): what
+    the two calls and the written-out layers save shows in the main table, not here."""
+    if not isinstance(lm.lean, LeanDecoder):
+        with lm.module_calls():  # the direct forward's written-out layers as module calls (hooks fire)
+            return _component_times(lm, k, repeats)
+    if not any(isinstance(layer, FusedLayer) for layer in lm.lean.layers):
+        return _component_times(lm, k, repeats)
+    fused, lm.lean = lm.lean, LeanDecoder(lm.model, fused_layers=False)
+    try:
+        return _component_times(lm, k, repeats)
+    finally:
+        lm.lean = fused
 
-    if lm.lean is not None and any(isinstance(layer, FusedLayer) for layer in lm.lean.layers):
-        fused, lm.lean = lm.lean, LeanDecoder(lm.model, fused_layers=False)
-        try:
-            return component_times(lm, k, repeats)
-        finally:
-            lm.lean = fused
+
+def _component_times(lm, k: int, repeats: int) -> dict[str, float]:
+    from cascade.models import native
 
     spent: dict[str, float] = defaultdict(float)
     start: dict[int, float] = {}

@@ -115,7 +115,8 @@ def test_layer_skip_does_no_prefill(target):
     ]
     try:
         prompt = list(range(1, 30))  # a long prompt: any drafter prefill would show
-        out = generate(target, prompt, drafter=LayerSkipDrafter(2, k=4), max_new_tokens=20, stop_on_eos=False)
+        with target.module_calls():  # the hooks see every layer call
+            out = generate(target, prompt, drafter=LayerSkipDrafter(2, k=4), max_new_tokens=20, stop_on_eos=False)
     finally:
         for h in hooks:
             h.remove()

@@ -16,7 +16,9 @@ soft-cap after the head) would differ: :func:`checked_direct_decoder` runs both 
 prefill, a one-token step, a tree-masked step, hidden states) and keeps transformers' forward,
 logging why, unless every output is bitwise equal.
 
-``run`` also serves layer-level access (``cascade.models.layers.run_layers``: the first n
+Module forward hooks do not fire inside a written-out layer: ``CausalLM.module_calls()`` runs
+every module as a module (bitwise the same forward) where hooks must see them. ``run`` also
+serves layer-level access (``cascade.models.layers.run_layers``: the first n
 layers on the model's own cache, for early exits).
 """
 
@@ -59,15 +61,15 @@ def direct_unsupported(model: nn.Module) -> str | None:
 
 
 class ModuleLayer:
-    """One decoder layer through its own ``forward``, with the arguments the model's forward
-    passes (any architecture whose layers take them)."""
+    """One decoder layer called as the module it is, with the arguments the model's forward
+    passes (any architecture whose layers take them; its modules' hooks fire)."""
 
     def __init__(self, layer: nn.Module) -> None:
-        self.forward = layer.forward
+        self.layer = layer
 
     def __call__(self, hidden: torch.Tensor, embeddings, positions: torch.Tensor, cache, mask) -> torch.Tensor:
-        return self.forward(hidden, attention_mask=mask, position_embeddings=embeddings, position_ids=positions,
-                            cache=cache, use_cache=True)
+        return self.layer(hidden, attention_mask=mask, position_embeddings=embeddings, position_ids=positions,
+                          cache=cache, use_cache=True)
 
 
 LLAMA_LAYER = ({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
@@ -137,8 +139,10 @@ class LlamaLayer:
 class DirectDecoder:
     """The decoder of one model, its modules called directly (see the module docstring): each
     layer as a :class:`LlamaLayer` where ``explicit`` and the layer is laid out as Llama's, else
-    through its own forward (:class:`ModuleLayer`). Holds the model's modules and their weight
-    tensors (in-place changes are seen; modules swapped after it is built are not: build another)."""
+    as a module (:class:`ModuleLayer`; with ``explicit=False`` every module's forward hooks fire,
+    as profilers and diagnostics need: ``CausalLM.module_calls``). Holds the model's modules and
+    their weight tensors (in-place changes are seen; modules swapped after it is built are not:
+    build another)."""
 
     def __init__(self, model: nn.Module, explicit: bool = True) -> None:
         reason = direct_unsupported(model)

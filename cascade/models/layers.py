@@ -3,7 +3,7 @@
 Decoders built like Llama / Qwen2 / Mistral (embeddings, a ``layers`` list, a final ``norm``, a
 ``rotary_emb``, the LM head): the first ``n`` layers run through
 ``cascade.models.direct.DirectDecoder.run``, which mirrors the model's own forward layer for
-layer (same mask builder, same position embeddings, same layer call). Nothing here mutates the
+layer (same mask builder, same position embeddings, the same layer arithmetic). Nothing here mutates the
 model or its config: self-drafting shares the target's weights and cache as they are.
 """
 
@@ -89,8 +89,10 @@ def run_layers(
     if position_ids is None:
         start = int(cache.layers[0].get_seq_length()) if len(cache.layers) else 0
         position_ids = torch.arange(start, start + ids.shape[0], device=lm.device)
-    hidden, _ = DirectDecoder(lm.model).run(ids, cache, position_ids.reshape(-1).to(lm.device), attention_mask,
-                                            n_layers)
+    # the model's own direct forward where it runs one (checked bitwise at its first forward),
+    # else its layers called as modules, as transformers' forward calls them
+    decoder = lm.lean if isinstance(lm.lean, DirectDecoder) else DirectDecoder(lm.model, explicit=False)
+    hidden, _ = decoder.run(ids, cache, position_ids.reshape(-1).to(lm.device), attention_mask, n_layers)
     return hidden  # [n, H]
 
 

@@ -10,6 +10,7 @@ layer access) live in this package only.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -238,14 +239,31 @@ class CausalLM:
         if bad or FINAL_HIDDEN in wanted[:-1] or (isinstance(return_hidden, tuple) and not wanted):
             raise ValueError(f"return_hidden must name layers in [1, {layers - 1}], FINAL_HIDDEN (-1) only last, "
                              f"got {return_hidden}")
-        if self.auto_direct:  # decided once, at the first forward
-            self.auto_direct = False
-            if self.lean is None:
-                self.lean = checked_direct_decoder(self)
+        self._choose_forward()
         if self.lean is not None:
             return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(self.device), attention_mask,
                                      keep_last, return_hidden)
         return self.transformers_forward(ids[0], cache, position_ids, attention_mask, keep_last, return_hidden)
+
+    def _choose_forward(self) -> None:
+        if self.auto_direct:  # decided once, at the first forward
+            self.auto_direct = False
+            if self.lean is None:
+                self.lean = checked_direct_decoder(self)
+
+    @contextmanager
+    def module_calls(self):
+        """Within: a direct forward calls every module as a module, so that forward hooks (a
+        profiler's, a diagnostic's) see each layer, attention, MLP and linear; bitwise the same
+        forward. (The native lean forward calls kernels, not modules: unchanged.)"""
+        self._choose_forward()
+        saved = self.lean
+        if isinstance(saved, DirectDecoder):
+            self.lean = DirectDecoder(self.model, explicit=False)
+        try:
+            yield self
+        finally:
+            self.lean = saved
 
     @torch.inference_mode()
     def transformers_forward(self, tokens: torch.Tensor | list[int], cache: DynamicCache,
