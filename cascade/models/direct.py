@@ -67,7 +67,7 @@ class ModuleLayer:
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
 
-    def __call__(self, hidden: torch.Tensor, embeddings, positions: torch.Tensor, cache, mask) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, embeddings, positions: torch.Tensor, cache, mask, attention) -> torch.Tensor:
         return self.layer(hidden, attention_mask=mask, position_embeddings=embeddings, position_ids=positions,
                           cache=cache, use_cache=True)
 
@@ -119,8 +119,8 @@ class LlamaLayer:
         half = x.shape[-1] // 2
         return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)  # x * cos + rotate_half(x) * sin
 
-    def __call__(self, hidden: torch.Tensor, embeddings, positions: torch.Tensor, cache, mask) -> torch.Tensor:
-        n = hidden.shape[1]  # hidden [1, n, E]
+    def __call__(self, hidden: torch.Tensor, embeddings, positions: torch.Tensor, cache, mask, attention) -> torch.Tensor:
+        n = hidden.shape[1]  # hidden [1, n, E]; attention: transformers' function for the model's implementation
         cos, sin = embeddings[0][:, None], embeddings[1][:, None]  # [1, 1, n, D]
         x = self.in_norm(hidden)
         shape = (1, n, -1, self.head_dim)
@@ -128,7 +128,6 @@ class LlamaLayer:
         k = self._rope(self.k(x).view(shape).transpose(1, 2), cos, sin)  # [1, Hkv, n, D]
         v = self.v(x).view(shape).transpose(1, 2)
         keys, values = cache.update(k, v, self.index)  # [1, Hkv, L, D]
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.attn.config._attn_implementation, eager_attention_forward)
         out, _ = attention(self.attn, q, keys, values, mask, dropout=self.attn.attention_dropout if self.attn.training else 0.0,
                            scaling=self.scaling, position_ids=positions, use_cache=True)
         hidden = hidden + self.o(out.reshape(1, n, -1).contiguous())
@@ -166,9 +165,10 @@ class DirectDecoder:
         positions = position_ids[None]  # [1, n]
         masks = layer_masks(self.config, hidden, attention_mask, cache, positions)
         embeddings = self.rotary(hidden, position_ids=positions)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         kept: dict[int, torch.Tensor] = {}
         for i, step in enumerate(self.steps[:n_layers]):
-            hidden = step(hidden, embeddings, positions, cache, masks[self.layer_types[i]])  # [1, n, H]
+            hidden = step(hidden, embeddings, positions, cache, masks[self.layer_types[i]], attention)  # [1, n, H]
             if i + 1 in keep:
                 kept[i + 1] = hidden[0]
         return hidden[0], kept

@@ -228,20 +228,22 @@ class CausalLM:
         for a tree forward. A tuple of layers returns their states concatenated, [n, len * H]
         (FINAL_HIDDEN may end it: EAGLE-3's training capture reads three layers and the LM head's
         input in one forward)."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, n]
+        device = self.device
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=device).reshape(1, -1)  # [1, n]
         n = ids.shape[1]
         if position_ids is None:
             start = self.cache_len(cache)
-            position_ids = torch.arange(start, start + n, device=self.device)
-        layers = int(self.model.config.num_hidden_layers)
-        wanted = hidden_layers(return_hidden)
-        bad = [i for i in wanted if not (i == FINAL_HIDDEN or 1 <= i < layers)]
-        if bad or FINAL_HIDDEN in wanted[:-1] or (isinstance(return_hidden, tuple) and not wanted):
-            raise ValueError(f"return_hidden must name layers in [1, {layers - 1}], FINAL_HIDDEN (-1) only last, "
-                             f"got {return_hidden}")
+            position_ids = torch.arange(start, start + n, device=device)
+        if return_hidden is not None:
+            layers = int(self.model.config.num_hidden_layers)
+            wanted = hidden_layers(return_hidden)
+            bad = [i for i in wanted if not (i == FINAL_HIDDEN or 1 <= i < layers)]
+            if bad or FINAL_HIDDEN in wanted[:-1] or (isinstance(return_hidden, tuple) and not wanted):
+                raise ValueError(f"return_hidden must name layers in [1, {layers - 1}], FINAL_HIDDEN (-1) only last, "
+                                 f"got {return_hidden}")
         self._choose_forward()
         if self.lean is not None:
-            return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(self.device), attention_mask,
+            return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(device), attention_mask,
                                      keep_last, return_hidden)
         return self.transformers_forward(ids[0], cache, position_ids, attention_mask, keep_last, return_hidden)
 
