@@ -35,17 +35,19 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 log = logging.getLogger(__name__)
 
-FINAL = -1  # ``return_hidden`` index of the states after the final norm (``lm.FINAL_HIDDEN``)
+# ``return_hidden=FINAL_HIDDEN``: the last layer's hidden states after the final norm, i.e. the LM
+# head's input (the features an EAGLE-style draft head reads; ``cascade.models.lm`` re-exports it).
+FINAL_HIDDEN = -1
 
 
-def layer_masks(config, hidden: torch.Tensor, attention_mask, cache, position_ids) -> dict:
+def layer_masks(config, hidden: torch.Tensor, attention_mask, cache, position_ids, sliding: bool) -> dict:
     """The masks transformers' forward builds, by layer type: [1, 1, n, past + n] (or None where
     the attention applies causality itself). ``hidden`` [1, n, H]; ``attention_mask`` None or the
-    caller's 4D additive mask (trees)."""
+    caller's 4D additive mask (trees); ``sliding``: the model has sliding-window layers."""
     kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask, "cache": cache,
               "position_ids": position_ids}
     masks = {"full_attention": create_causal_mask(**kwargs)}
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if sliding:
         masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
     return masks
 
@@ -149,12 +151,13 @@ class DirectDecoder:
             raise ValueError(f"no direct decoder: {reason}")
         base = model.model
         self.config = model.config
-        self.embed, self.layers, self.norm, self.rotary = base.embed_tokens, base.layers, base.norm, base.rotary_emb
+        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
         self.head = model.get_output_embeddings()
         n = int(self.config.num_hidden_layers)
         self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * n)
+        self.sliding = "sliding_attention" in self.layer_types
         self.steps = [LlamaLayer(layer) if explicit and llama_layer_unsupported(layer) is None else ModuleLayer(layer)
-                      for layer in self.layers[:n]]
+                      for layer in base.layers[:n]]
 
     def run(self, ids: torch.Tensor, cache, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
             n_layers: int, keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -163,7 +166,7 @@ class DirectDecoder:
         after each layer in ``keep`` (layer count -> [n, H])."""
         hidden = self.embed(ids[None])  # [1, n, H]
         positions = position_ids[None]  # [1, n]
-        masks = layer_masks(self.config, hidden, attention_mask, cache, positions)
+        masks = layer_masks(self.config, hidden, attention_mask, cache, positions, self.sliding)
         embeddings = self.rotary(hidden, position_ids=positions)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         kept: dict[int, torch.Tensor] = {}
@@ -177,11 +180,11 @@ class DirectDecoder:
     def forward(self, ids: torch.Tensor, cache, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 keep_last: int | None, return_hidden: int | tuple[int, ...] | None):
         """``CausalLM.forward``'s contract: logits [n or keep_last, V] and, with ``return_hidden``,
-        the requested hidden states [n, len * H] (layer counts, FINAL = after the final norm)."""
+        the requested hidden states [n, len * H] (layer counts, FINAL_HIDDEN = after the final norm)."""
         wanted = return_hidden if isinstance(return_hidden, tuple) else (return_hidden,)
         hidden, kept = self.run(ids, cache, position_ids, attention_mask, len(self.steps), wanted)
         hidden = self.norm(hidden)  # [n, H]
-        kept[FINAL] = hidden
+        kept[FINAL_HIDDEN] = hidden
         logits = self.head(hidden if not keep_last else hidden[-keep_last:])
         if return_hidden is None:
             return logits
@@ -192,7 +195,7 @@ def _probe(forward, lm) -> list[torch.Tensor]:
     """Outputs of ``forward`` (CausalLM.forward's signature) on a prefill of 3 tokens, a one-token
     step, and a two-node tree step (both nodes children of the last token), with hidden states."""
     vocab, layers = lm.vocab_size, int(lm.model.config.num_hidden_layers)
-    hidden = (1, FINAL) if layers >= 2 else FINAL
+    hidden = (1, FINAL_HIDDEN) if layers >= 2 else FINAL_HIDDEN
     device = lm.device
     cache = lm.new_cache()
     outs = list(forward([1 % vocab, 2 % vocab, 3 % vocab], cache, None, None, None, hidden))
@@ -213,27 +216,23 @@ def checked_direct_decoder(lm) -> DirectDecoder | None:
     if reason is not None:
         log.info("%s: transformers' forward (no direct decoder: %s)", lm.name, reason)
         return None
-    reference = _probe(lambda *args: lm.transformers_forward(*args), lm)
+    reference = _probe(lm.transformers_forward, lm)
     reasons = []
-    for explicit in (True, False):  # written-out Llama layers, else each layer's own forward
-        decoder = DirectDecoder(lm.model, explicit=explicit)
-
-        def direct(tokens, cache, positions, mask, keep_last, hidden):
-            ids = torch.as_tensor(tokens, dtype=torch.long, device=lm.device)
-            if positions is None:
-                start = lm.cache_len(cache)
-                positions = torch.arange(start, start + ids.shape[0], device=lm.device)
-            return decoder.forward(ids, cache, positions, mask, keep_last, hidden)
-
-        try:
-            mine = _probe(direct, lm)
-        except (TypeError, ValueError, RuntimeError, AttributeError) as error:  # layers that take other arguments
-            reasons.append(f"the probe failed: {type(error).__name__}: {error}")
-            continue
-        if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(mine, reference)):
-            if reasons:
-                log.info("%s: direct decoder through each layer's forward (written-out layers: %s)", lm.name, reasons[0])
-            return decoder
-        reasons.append("its outputs differ from transformers' forward on the probe")
+    try:
+        for explicit in (True, False):  # written-out Llama layers, else each layer as a module
+            lm.lean = decoder = DirectDecoder(lm.model, explicit=explicit)  # the candidate, through lm.forward
+            try:
+                mine = _probe(lm.forward, lm)
+            except (TypeError, ValueError, RuntimeError, AttributeError) as error:  # layers that take other arguments
+                reasons.append(f"the probe failed: {type(error).__name__}: {error}")
+                continue
+            if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(mine, reference)):
+                if reasons:
+                    log.info("%s: direct decoder through each layer as a module (written-out layers: %s)", lm.name,
+                             reasons[0])
+                return decoder
+            reasons.append("its outputs differ from transformers' forward on the probe")
+    finally:
+        lm.lean = None  # the caller attaches what this returns
     log.info("%s: transformers' forward (no direct decoder: %s)", lm.name, "; ".join(reasons))
     return None

@@ -17,12 +17,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from cascade.models.direct import DirectDecoder, checked_direct_decoder
+# FINAL_HIDDEN (return_hidden's "after the final norm") is defined beside the direct forward
+from cascade.models.direct import FINAL_HIDDEN, DirectDecoder, checked_direct_decoder
 from cascade.models.lean import LeanDecoder
-
-# ``return_hidden=FINAL_HIDDEN``: the last layer's hidden states after the final norm, i.e. the LM
-# head's input (the features an EAGLE-style draft head reads).
-FINAL_HIDDEN = -1
 
 # What a forward may return beside its logits: None, one layer (``L`` after the first L decoder
 # layers, or FINAL_HIDDEN), or several layers' states concatenated in the order given (EAGLE-3
