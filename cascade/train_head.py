@@ -9,7 +9,10 @@
    the draft vocabulary, no feature regression), over the ``train.vocab`` token ids most frequent
    in the training chunks (FR-Spec; all ids when null), trained with AdamW on the unrolled loss
    (``train.unroll`` steps of EAGLE-3's training-time test), the checkpoint written atomically
-   after every epoch with the held-out top-1 agreement at depths 1..4 (printed per epoch);
+   after every epoch with the held-out top-1 agreement at depths 1..4 (printed per epoch), and
+   the run's progress (``train_state.pt``: head, optimiser, shuffle generator, history) beside it,
+   so that the same command on the same run directory continues an interrupted run from its last
+   finished epoch (``train.resume``);
 4. ``summary.json`` and the checkpoint in the Hydra run directory (``head.pt``; for eagle3 the
    release directory ``head_eagle3/``), also copied to ``train.save_to`` (``auto``:
    ``models.head_path`` or ``models.eagle3_head_path``, where the draft-head methods load it).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import hydra
@@ -32,6 +36,7 @@ from tqdm.auto import tqdm
 from cascade.head_training import agreement, capture_features, chunk_loss, chunks_sha256, corpus_chunks
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
+from cascade.models.checkpoints import load_checkpoint, save_checkpoint
 from cascade.models.draft_head import DraftHead, HeadLayout
 from cascade.models.eagle3 import Eagle3Head, default_layers
 from cascade.models.layers import decoder_parts, dense_weight
@@ -67,9 +72,13 @@ def _check(t) -> None:
         raise ConfigError(f"train.continuation_tokens must be >= 1, got {t.continuation_tokens}")
     if t.feature_storage not in FEATURE_STORAGE:
         raise ConfigError(f"train.feature_storage must be one of {sorted(FEATURE_STORAGE)}, got {t.feature_storage!r}")
+    if t.resume not in RESUME:
+        raise ConfigError(f"train.resume must be one of {RESUME}, got {t.resume!r}")
 
 
 RECIPES = ("eagle", "eagle3")
+RESUME = ("auto", True, False)
+TRAIN_STATE_FORMAT = "cascade.head_train_state/1"
 FEATURE_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -133,24 +142,89 @@ def _save_path(t, models) -> Path | None:
     return Path(t.save_to).expanduser() if t.save_to else None
 
 
+@dataclass
+class TrainProgress:
+    """What a training run needs to continue exactly where its last finished epoch ended."""
+    fingerprint: dict  # what fixes the run's result (``run_fingerprint``): a resumed run must match it
+    epochs_done: int
+    step: int  # optimiser steps taken
+    train_s: float  # seconds in optimiser steps so far
+    elapsed_s: float  # seconds since training began, evaluations included
+    history: list[dict]  # one entry per finished epoch
+    head: dict  # the head's state dict
+    optimizer: dict  # AdamW's state dict
+    order_rng: torch.Tensor  # the epoch-shuffle generator's state
+
+    def save(self, path: Path) -> None:
+        save_checkpoint({"format": TRAIN_STATE_FORMAT, **{f.name: getattr(self, f.name) for f in fields(self)}}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "TrainProgress":
+        payload = load_checkpoint(path, TRAIN_STATE_FORMAT, "head training state", "cascade.train_head")
+        return cls(**{f.name: payload[f.name] for f in fields(cls)})
+
+
+def run_fingerprint(cfg: DictConfig, features_dir: Path) -> dict:
+    """The settings a run's result depends on: its training config (where the copy goes and
+    whether to resume aside), seed, target and backend, and the captured features' directory
+    (named by the target, layers and the chunks' sha256)."""
+    train = {k: v for k, v in OmegaConf.to_container(cfg.train, resolve=True).items() if k not in ("save_to", "resume")}
+    return {"train": train, "seed": cfg.seed, "target": cfg.models.target, "dtype": cfg.models.dtype,
+            "features": features_dir.name}
+
+
+def _resumable(path: Path, fingerprint: dict, resume) -> TrainProgress | None:
+    """The progress to continue from (``train.resume``): ``auto``, the run directory's own when it
+    was made with the same settings (else a fresh start, logged); true, that or an error; false,
+    none."""
+    if resume is False or (resume == "auto" and not path.is_file()):
+        return None
+    if not path.is_file():
+        raise ConfigError(f"train.resume=true but {path} does not exist (run the interrupted command with "
+                          f"hydra.run.dir set to its run directory)")
+    progress = TrainProgress.load(path)
+    if progress.fingerprint != fingerprint:
+        old, new = progress.fingerprint, fingerprint
+        differ = sorted({k for k in old.get("train", {}) | new["train"] if old.get("train", {}).get(k) != new["train"].get(k)}
+                        | {k for k in new if k != "train" and old.get(k) != new[k]})
+        if resume is True:
+            raise ConfigError(f"{path} is the progress of a run with other settings ({', '.join(differ)}); "
+                              f"pass train.resume=false to start afresh")
+        log.warning("%s holds a run with other settings (%s): starting afresh", path, ", ".join(differ))
+        return None
+    log.info("resuming from %s: %d of %d epochs done, %d steps", path, progress.epochs_done,
+             fingerprint["train"]["epochs"], progress.step)
+    return progress
+
+
 def _train_epochs(head: DraftHead | Eagle3Head, lm, train_chunks: list, held: list, head_rows: torch.Tensor,
-                  vocab: torch.Tensor | None, cfg: DictConfig, ckpt: Path) -> list[dict]:
-    """AdamW over ``train.epochs`` shuffled passes; after each, the held-out agreement (printed)
-    and the checkpoint (atomic). Returns the per-epoch history."""
+                  vocab: torch.Tensor | None, cfg: DictConfig, ckpt: Path, *, fingerprint: dict,
+                  state_path: Path) -> list[dict]:
+    """AdamW over ``train.epochs`` shuffled passes; after each, the held-out agreement (printed),
+    the checkpoint and the run's progress (both atomic); a run whose progress is at
+    ``state_path`` continues after its last finished epoch (``_resumable``), bitwise as if it had
+    not stopped. Returns the per-epoch history."""
     t = cfg.train
     opt = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_epoch = math.ceil(len(train_chunks) / t.batch_chunks)  # optimiser steps per epoch
     total_steps = t.epochs * per_epoch
     warmup = t.warmup_steps if t.warmup_steps is not None else max(1, int(0.05 * total_steps))
-    history, step = [], 0
-    bar = tqdm(total=total_steps, desc="train head", disable=not cfg.progress)
-    t0 = time.perf_counter()
+    history, step, start_epoch = [], 0, 0
+    train_s = 0.0  # seconds in optimiser steps (the held-out evaluations excluded)
     gen = torch.Generator().manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    resumed = _resumable(state_path, fingerprint, t.resume)
+    if resumed is not None:
+        head.load_state_dict(resumed.head)
+        opt.load_state_dict(resumed.optimizer)
+        gen.set_state(resumed.order_rng)
+        history, step, start_epoch, train_s = list(resumed.history), resumed.step, resumed.epochs_done, resumed.train_s
+        t0 -= resumed.elapsed_s
+    bar = tqdm(total=total_steps, initial=step, desc="train head", disable=not cfg.progress)
     device = head.fc.weight.device
     autocast = training_autocast(t.precision, device)
     log.info("training steps in %s", "fp32" if autocast is None else f"{autocast} autocast")
-    train_s = 0.0  # seconds in optimiser steps (the held-out evaluations excluded)
-    for epoch in range(t.epochs):
+    for epoch in range(start_epoch, t.epochs):
         head.train()
         epoch_t0 = time.perf_counter()
         loss_sum, train_hits = 0.0, []
@@ -183,6 +257,8 @@ def _train_epochs(head: DraftHead | Eagle3Head, lm, train_chunks: list, held: li
               f"{history[-1]['train_top1']:.3f}, held-out top-1 agreement at depths 1-4: "
               + " ".join(f"{a:.3f}" for a in agree), flush=True)
         head.save(ckpt, metrics={"epochs_done": epoch + 1, "history": history})  # nothing lost on interruption
+        TrainProgress(fingerprint, epoch + 1, step, train_s, time.perf_counter() - t0, history, head.state_dict(),
+                      opt.state_dict(), gen.get_state()).save(state_path)
     bar.close()
     return history
 
@@ -230,7 +306,8 @@ def train(cfg: DictConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = out_dir / ("head_eagle3" if t.recipe == "eagle3" else "head.pt")
     t1 = time.perf_counter()
-    history = _train_epochs(head, lm, train_chunks, held, head_rows, vocab, cfg, ckpt)
+    history = _train_epochs(head, lm, train_chunks, held, head_rows, vocab, cfg, ckpt,
+                            fingerprint=run_fingerprint(cfg, features_dir), state_path=out_dir / "train_state.pt")
     metrics = {
         "target": lm.name, "sources": sources, "features_dir": str(features_dir),
         "train_tokens": sum(c.tokens.numel() for c in train_chunks), "heldout_tokens": sum(c.tokens.numel() for c in held),

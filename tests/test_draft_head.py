@@ -172,6 +172,49 @@ def test_train_then_run_loads_the_written_weights(tmp_path, tiny_target, precisi
     assert [f.stat().st_mtime_ns for f in files] == mtimes
 
 
+def test_an_interrupted_training_run_resumes_bitwise(tmp_path, monkeypatch):
+    """Killed during its second epoch's evaluation, the run continues from the first epoch's
+    progress on the same command and ends bitwise where an uninterrupted run ends; other
+    settings are refused (resume=true) or start afresh (auto)."""
+    import cascade.train_head as th
+    from cascade.run import ConfigError
+
+    def cfg(out, *extra):
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            return compose("train_head", overrides=["debug=tiny", "progress=false", f"output_dir={tmp_path / out}",
+                                                    "train.save_to=null", "train.max_tokens=1200", "train.epochs=3",
+                                                    f"train.features_dir={tmp_path / 'features'}", *extra])
+
+    whole = th.train(cfg("whole"))
+    evaluations, real = [], th.agreement
+
+    def dies_at_the_third(*args, **kwargs):  # before training, after epoch 0, after epoch 1 (killed)
+        evaluations.append(1)
+        if len(evaluations) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(th, "agreement", dies_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        th.train(cfg("cut"))
+    monkeypatch.setattr(th, "agreement", real)
+    assert th.TrainProgress.load(tmp_path / "cut" / "train_state.pt").epochs_done == 1
+    with pytest.raises(ConfigError, match="lr"):
+        th.train(cfg("cut", "train.resume=true", "train.lr=1e-3"))
+    resumed = th.train(cfg("cut", "train.resume=true"))
+    a, b = whole["metrics"], resumed["metrics"]
+    assert [h["steps"] for h in b["history"]] == [h["steps"] for h in a["history"]]
+    assert [h["agreement"] for h in b["history"]] == [h["agreement"] for h in a["history"]]
+    assert [h["loss"] for h in b["history"]] == [h["loss"] for h in a["history"]]
+    ours, theirs = (torch.load(tmp_path / d / "head.pt", weights_only=True)["state_dict"] for d in ("whole", "cut"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # a run that starts afresh (other settings, resume=auto) trains all its epochs again
+    fresh = th.train(cfg("cut", "train.lr=1e-3"))
+    assert [h["epoch"] for h in fresh["metrics"]["history"]] == [0, 1, 2]
+    with pytest.raises(ConfigError, match="does not exist"):
+        th.train(cfg("nowhere", "train.resume=true"))
+
+
 def _bound(head, target, context):
     from cascade.types import SamplingConfig
 
