@@ -11,6 +11,9 @@
 #     57k_e3_bf16: 57k_e3 with bf16 autocast training steps
 #     114k_e4_bf16: a 120k-token corpus (its first ~57k tokens' features copied from the 60k
 #                  capture), 4 epochs (~2,600 steps), bf16 steps on float16 features (the defaults)
+#     114k_e9_bf16: the same corpus, 9 epochs (~5,400 steps: where 114k_e4_bf16's fit puts held-out 0.5)
+# A run stopped part-way continues from its last finished epoch when the same command is run again
+# (train.resume=auto, the run directory being fixed here); a finished run is not repeated.
 # fp32 runs use fp32 features too (the arithmetic of the one-epoch baseline in
 # results/train_head/summary_normed.json), whatever the defaults.
 # Usage: bash experiments/head_curves.sh [NAME ...]   (default: 57k_e3 15k_e4 15k_e4_bf16)
@@ -26,11 +29,12 @@ declare -A ARGS=(
   [15k_e4_bf16]="train.train_tokens=15000 train.epochs=4 train.precision=bf16 train.feature_storage=float32"
   [57k_e3_bf16]="train.epochs=3 train.precision=bf16 train.feature_storage=float32"
   [114k_e4_bf16]="train.max_tokens=120000 train.epochs=4 train.precision=bf16"
+  [114k_e9_bf16]="train.max_tokens=120000 train.epochs=9 train.precision=bf16"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(57k_e3 15k_e4 15k_e4_bf16)
 for name in "${names[@]}"; do
   [ -n "${ARGS[$name]+x}" ] || { echo "unknown run $name (known: ${!ARGS[*]})" >&2; exit 2; }
-  echo "== $name: ${ARGS[$name]}" | tee "$out/$name.log"
+  echo "== $name ($(date -u +%FT%TZ)): ${ARGS[$name]}" | tee -a "$out/$name.log"  # appended: a resumed run keeps the first part
   # shellcheck disable=SC2086
   python -m cascade.train_head ${ARGS[$name]} train.save_to=null progress=false \
     hydra.run.dir="outputs/head_curves/$name" 2>&1 | tee -a "$out/$name.log"
