@@ -185,10 +185,17 @@ class DirectDecoder:
         hidden, kept = self.run(ids, cache, position_ids, attention_mask, len(self.steps), wanted)
         hidden = self.norm(hidden)  # [n, H]
         kept[FINAL_HIDDEN] = hidden
-        logits = self.head(hidden if not keep_last else hidden[-keep_last:])
-        if return_hidden is None:
-            return logits
-        return logits, (kept[wanted[0]] if len(wanted) == 1 else torch.cat([kept[i] for i in wanted], -1))
+        return forward_outputs(self.head(hidden if not keep_last else hidden[-keep_last:]), kept, return_hidden)
+
+
+def forward_outputs(logits: torch.Tensor, kept: dict[int, torch.Tensor], return_hidden: int | tuple[int, ...] | None):
+    """What ``CausalLM.forward`` returns (shared by the direct and the lean decoders): ``logits``
+    alone, or with the hidden states ``return_hidden`` asks for, from ``kept`` (layer count or
+    FINAL_HIDDEN -> [n, H]): one layer's [n, H], or several concatenated in the order given."""
+    if return_hidden is None:
+        return logits
+    wanted = return_hidden if isinstance(return_hidden, tuple) else (return_hidden,)
+    return logits, (kept[wanted[0]] if len(wanted) == 1 else torch.cat([kept[i] for i in wanted], -1))
 
 
 def _probe(forward, lm) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from cascade.models import native
+from cascade.models.direct import FINAL_HIDDEN, forward_outputs
 from cascade.models.native import NativeLinear, use_native_attention
 
 log = logging.getLogger(__name__)
@@ -167,12 +168,8 @@ class LeanDecoder:
             if index + 1 in wanted:
                 kept[index + 1] = h
         h = self.final_norm(h)
-        if -1 in wanted:
-            kept[-1] = h
-        logits = self.head(h if not keep_last else h[-keep_last:])
-        if return_hidden is None:
-            return logits
-        return logits, (kept[wanted[0]] if len(wanted) == 1 else torch.cat([kept[i] for i in wanted], -1))
+        kept[FINAL_HIDDEN] = h
+        return forward_outputs(self.head(h if not keep_last else h[-keep_last:]), kept, return_hidden)
 
 
 def attach_lean(lm) -> None:
