@@ -33,13 +33,14 @@ import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
 from cascade.continuations import continuations
 from cascade.data import CONTINUATIONS, QA_SETS, corpus, has_chat_template, qa_pairs
+from cascade.drafters.base import Drafter
 from cascade.models.draft_head import DraftHead
 from cascade.models.layers import decoder_parts
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
@@ -59,6 +60,15 @@ class Chunk:
         return self.features if self.final is None else self.final
 
 
+@dataclass(frozen=True)
+class ContinuationSource:
+    """How the ``continuations`` source is generated (``cascade.continuations``): new tokens per
+    prompt, and the drafter that speeds it up (built once, when a prompt is not cached yet;
+    None: prompt lookup). The text is the target's greedy output whichever drafter runs."""
+    new_tokens: int = 128
+    make_drafter: Callable[[], Drafter] | None = None
+
+
 @dataclass
 class FeatureManifest:
     format: str
@@ -71,9 +81,9 @@ class FeatureManifest:
     sha256: str  # of the chunks' token ids: which text the features were captured on
 
 
-def _source_texts(lm: CausalLM, name: str, continuation_tokens: int, progress: bool) -> Iterable[list[int]]:
+def _source_texts(lm: CausalLM, name: str, continuation: ContinuationSource, progress: bool) -> Iterable[list[int]]:
     if name == CONTINUATIONS:  # lazy: generated only as far as the source's budget reaches
-        return continuations(lm, continuation_tokens, progress=progress)
+        return continuations(lm, continuation.new_tokens, progress=progress, make_drafter=continuation.make_drafter)
     if name in QA_SETS:
         chat = has_chat_template(lm)
         out = []
@@ -89,11 +99,11 @@ def _source_texts(lm: CausalLM, name: str, continuation_tokens: int, progress: b
 
 
 def corpus_chunks(lm: CausalLM, sources: dict[str, float], seq_len: int, max_tokens: int, seed: int = 0,
-                  continuation_tokens: int = 128, progress: bool = True) -> list[list[int]]:
+                  continuation: ContinuationSource = ContinuationSource(), progress: bool = True) -> list[list[int]]:
     """Chunks of at most ``seq_len`` tokens (at least 2), each source ``name`` contributing up to
     ``share * max_tokens`` tokens from its texts in order; shuffled (seeded) so that a held-out
     tail holds every source. Source ``continuations``: corpus prompts followed by the target's
-    greedy continuations of ``continuation_tokens`` tokens (``cascade.continuations``)."""
+    greedy continuations (``continuation``; ``cascade.continuations``)."""
     if seq_len < 2 or max_tokens < 2:
         raise ValueError(f"seq_len and max_tokens must be >= 2, got {seq_len}, {max_tokens}")
     total_share = sum(sources.values())
@@ -104,7 +114,7 @@ def corpus_chunks(lm: CausalLM, sources: dict[str, float], seq_len: int, max_tok
         budget = int(max_tokens * share / total_share)
         if budget < 2:
             continue
-        for ids in _source_texts(lm, name, continuation_tokens, progress):
+        for ids in _source_texts(lm, name, continuation, progress):
             for start in range(0, len(ids) - 1, seq_len):
                 piece = ids[start : start + seq_len][:budget]
                 if len(piece) >= 2:

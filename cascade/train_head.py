@@ -27,13 +27,17 @@ import math
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import hydra
+import hydra.utils
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from cascade.head_training import agreement, capture_features, chunk_loss, chunks_sha256, corpus_chunks
+from cascade.head_training import (ContinuationSource, agreement, capture_features, chunk_loss, chunks_sha256,
+                                   corpus_chunks)
+from cascade.drafters.base import Drafter
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.models.checkpoints import load_checkpoint, save_checkpoint
@@ -133,6 +137,16 @@ def _new_head(t, lm, vocab, layers: tuple[int, ...], seed: int) -> DraftHead | E
     if t.recipe == "eagle3":
         return Eagle3Head.from_target(lm, vocab, layers, seed=seed)
     return DraftHead.from_target(lm, vocab, seed=seed, layout=HeadLayout(t.fusion))
+
+
+def _drafter_factory(node) -> Callable[[], Drafter] | None:
+    """``train.continuation_drafter`` as a factory (the drafter is built only if a continuation
+    must be generated): a drafter config (``_target_``), or None (prompt lookup)."""
+    if node is None:
+        return None
+    if "_target_" not in node:
+        raise ConfigError(f"train.continuation_drafter must be a drafter config with _target_ (or null), got {node}")
+    return lambda: hydra.utils.instantiate(node)
 
 
 def _save_path(t, models) -> Path | None:
@@ -277,7 +291,8 @@ def train(cfg: DictConfig) -> dict:
     sources = dict(t.sources)
 
     t0 = time.perf_counter()
-    token_chunks = corpus_chunks(lm, sources, t.seq_len, t.max_tokens, cfg.seed, t.continuation_tokens, cfg.progress)
+    continuation = ContinuationSource(t.continuation_tokens, _drafter_factory(t.continuation_drafter))
+    token_chunks = corpus_chunks(lm, sources, t.seq_len, t.max_tokens, cfg.seed, continuation, cfg.progress)
     if len(token_chunks) < 2:
         raise ConfigError(f"only {len(token_chunks)} chunk(s) of text: raise train.max_tokens")
     features_root = Path(t.features_dir or cache_root() / "head_features").expanduser()

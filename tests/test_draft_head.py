@@ -323,6 +323,19 @@ def test_capture_copies_chunks_of_earlier_captures(tmp_path, tiny_target, monkey
     assert len(computed) == 3
 
 
+def test_continuation_drafter_is_a_drafter_config_built_on_demand():
+    from omegaconf import OmegaConf
+
+    from cascade.run import ConfigError
+    from cascade.train_head import _drafter_factory
+
+    assert _drafter_factory(None) is None
+    make = _drafter_factory(OmegaConf.create({"_target_": "cascade.drafters.NGramDrafter", "k": 2}))
+    assert isinstance(make(), NGramDrafter) and make().k == 2
+    with pytest.raises(ConfigError, match="_target_"):
+        _drafter_factory(OmegaConf.create({"k": 2}))
+
+
 def test_bf16_training_steps_run_in_bf16_with_fp32_losses():
     """Under the bf16 autocast that train.precision=bf16 turns on, the head's matmuls run in bf16
     while the loss (softmaxes, regression) and the parameters' gradients stay fp32."""
@@ -360,7 +373,7 @@ def test_continuations_are_greedy_cached_and_resumable(tmp_path, monkeypatch):
 
     from cascade import continuations as cont
     from cascade.data import continuation_prompts
-    from cascade.head_training import corpus_chunks
+    from cascade.head_training import ContinuationSource, corpus_chunks
     from cascade.models import load_model
 
     lm = load_model("tiny:0", dtype="float32")
@@ -379,10 +392,23 @@ def test_continuations_are_greedy_cached_and_resumable(tmp_path, monkeypatch):
     assert again[:3] == first and len(calls) == 1  # only the fourth is generated
     assert [json.loads(x)["id"] for x in path.read_text().splitlines()[:3]] == [p.id for p in continuation_prompts()[:3]]
     monkeypatch.setenv("CASCADE_CACHE", str(tmp_path / "cache"))
-    chunks = corpus_chunks(lm, {"continuations": 1.0}, 64, 600, seed=0, continuation_tokens=4, progress=False)
+    chunks = corpus_chunks(lm, {"continuations": 1.0}, 64, 600, seed=0, continuation=ContinuationSource(4),
+                           progress=False)
     assert 550 <= sum(map(len, chunks)) <= 600
     texts = list(itertools.islice(cont.continuations(lm, 4, progress=False), 10))
     joined = [t for text in texts for t in text]
     assert all(any(c == joined[i:i + len(c)] for i in range(len(joined))) for c in chunks)
     with pytest.raises(ValueError, match="new_tokens"):
         next(cont.continuations(lm, 0, root=tmp_path))
+    # another drafter writes the same text; it is built once, and not at all when the cache has it all
+    built = []
+
+    def small_lm():
+        built.append(1)
+        return SmallLMDrafter(load_model("tiny:1", dtype="float32"), k=3)
+
+    drafted = list(itertools.islice(cont.continuations(lm, 4, root=tmp_path / "lm", progress=False,
+                                                       make_drafter=small_lm), 3))
+    assert drafted == first and len(built) == 1
+    list(itertools.islice(cont.continuations(lm, 4, root=tmp_path / "lm", progress=False, make_drafter=small_lm), 3))
+    assert len(built) == 1
