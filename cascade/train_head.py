@@ -35,9 +35,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from cascade.drafters.base import Drafter
 from cascade.head_training import (ContinuationSource, agreement, capture_features, chunk_loss, chunks_sha256,
                                    corpus_chunks)
-from cascade.drafters.base import Drafter
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.models.checkpoints import load_checkpoint, save_checkpoint
@@ -179,10 +179,12 @@ class TrainProgress:
 
 
 def run_fingerprint(cfg: DictConfig, features_dir: Path) -> dict:
-    """The settings a run's result depends on: its training config (where the copy goes and
-    whether to resume aside), seed, target and backend, and the captured features' directory
-    (named by the target, layers and the chunks' sha256)."""
-    train = {k: v for k, v in OmegaConf.to_container(cfg.train, resolve=True).items() if k not in ("save_to", "resume")}
+    """The settings a run's result depends on: its training config, seed, target and backend, and
+    the captured features' directory name (the target, layers and the chunks' sha256). Not: where
+    the copy goes, whether to resume, where the features cache lies, which drafter generated the
+    continuations (the same text whichever)."""
+    train = {k: v for k, v in OmegaConf.to_container(cfg.train, resolve=True).items()
+             if k not in ("save_to", "resume", "features_dir", "continuation_drafter")}
     return {"train": train, "seed": cfg.seed, "target": cfg.models.target, "dtype": cfg.models.dtype,
             "features": features_dir.name}
 
