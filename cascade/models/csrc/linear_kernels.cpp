@@ -43,6 +43,20 @@ namespace {
 
 constexpr int NC = 32;  // columns per panel
 
+// Software prefetch distance along a panel's stream. A weight stream read at the memory's rate
+// with the FMAs of several rows per cache line leaves the core no slack to wait for a line: the
+// hardware prefetcher alone and a 1 KB lead left the 8-row call of the 1.5B's layers at 1.35x
+// its 1-row time; 8 KB ahead (~100 cache lines, enough to cover the DRAM latency at this rate)
+// makes the reads overlap the arithmetic, so a call costs the larger of the two
+// (docs/backends.md, "Prefetch and row blocks").
+#ifndef CASCADE_PREFETCH_BYTES
+#define CASCADE_PREFETCH_BYTES 8192
+#endif
+constexpr int64_t PREFETCH_BYTES = CASCADE_PREFETCH_BYTES;  // -D override: experiments/linear_rows.py
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
+}
+
 // ---- AVX-512 ---------------------------------------------------------------------------------
 
 // The valid lanes of a panel's two 16-column halves when only ncols of its 32 columns exist.
@@ -82,7 +96,7 @@ __attribute__((target("avx512f"))) void fp16_rows_avx512(const float* x, int64_t
     __m512 w[PP][2];
     for (int q = 0; q < PP; ++q) {
       const uint16_t* wk = panel + q * pstride + k * NC;
-      _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * NC), _MM_HINT_T0);
+      prefetch_ahead(wk);
       w[q][0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk)));
       w[q][1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16)));
     }
@@ -112,7 +126,7 @@ __attribute__((target("avx512f"))) void int8_rows_avx512(const float* x, int64_t
     __m512 w[PP][2];
     for (int q = 0; q < PP; ++q) {
       const int8_t* wk = panel + q * pstride + k * NC;
-      _mm_prefetch(reinterpret_cast<const char*>(wk + 32 * NC), _MM_HINT_T0);
+      prefetch_ahead(wk);
       w[q][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk))));
       w[q][1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16))));
     }
@@ -155,7 +169,7 @@ __attribute__((target("avx512f"))) void int4_rows_avx512(const float* x, int64_t
       __m512 w[PP][2];
       for (int q = 0; q < PP; ++q) {
         const uint8_t* wk = panel + q * pstride + k * (NC / 2);
-        _mm_prefetch(reinterpret_cast<const char*>(wk + 64 * (NC / 2)), _MM_HINT_T0);
+        prefetch_ahead(wk);
         const __m512i qv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
         w[q][0] = _mm512_cvtepi32_ps(_mm512_and_si512(qv, low));
         w[q][1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(qv, 4));
@@ -222,7 +236,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t 
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const WT* w = panel + k * NC + c0;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * NC), _MM_HINT_T0);
+    prefetch_ahead(w);
     __m256 wv[NV];
     for (int v = 0; v < NV; ++v) {
       if constexpr (sizeof(WT) == 2) wv[v] = load_w_fp16(reinterpret_cast<const uint16_t*>(w) + 8 * v);
@@ -259,7 +273,7 @@ __attribute__((target("avx2,fma,f16c"))) void panels_avx2(const float* x, int64_
   for (int64_t k = 0; k < K; ++k) {
     for (int q = 0; q < PP; ++q) {
       const WT* w = panel + q * pstride + k * NC;
-      _mm_prefetch(reinterpret_cast<const char*>(w + (sizeof(WT) == 2 ? 16 : 32) * NC), _MM_HINT_T0);
+      prefetch_ahead(w);
       __m256 wv[4];
       for (int v = 0; v < 4; ++v) {
         if constexpr (sizeof(WT) == 2) wv[v] = load_w_fp16(reinterpret_cast<const uint16_t*>(w) + 8 * v);
@@ -312,7 +326,7 @@ __attribute__((target("avx2,fma,f16c"))) void int4_rows_avx2(const float* x, int
     for (int64_t k = g * G; k < (g + 1) * G; ++k) {
       for (int q = 0; q < PP; ++q) {
         const uint8_t* w = panel + q * pstride + k * (NC / 2);
-        _mm_prefetch(reinterpret_cast<const char*>(w + 64 * (NC / 2)), _MM_HINT_T0);
+        prefetch_ahead(w);
         const __m256i qa = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
         const __m256i qb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
         __m256 wv[NV];
@@ -372,6 +386,13 @@ Isa isa() {
 }
 
 constexpr int MR512 = 8;  // rows per block on AVX-512 (16 accumulators)
+// fp16 rows per block on AVX-512: 12 (24 accumulators + 2 weight vectors of the 32 registers),
+// so a call of up to 12 rows streams each weight once from memory; more rows go in balanced
+// blocks (13 -> 7 + 6) over one panel at a time, the later blocks reading it from L2.
+#ifndef CASCADE_FP16_ROWS
+#define CASCADE_FP16_ROWS 12
+#endif
+constexpr int MRF16 = CASCADE_FP16_ROWS;  // -D override: experiments/linear_rows.py
 
 // fn(std::integral_constant<int, rows>) for a run-time rows in 1..Max: one template instance per
 // row count (the register block's size is a compile-time constant)
@@ -483,18 +504,28 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
   float* yp = y.data_ptr<float>();
   const Isa which = isa();
   for_panel_groups(P, [&](int64_t pg, int count) {
-    if (which == Isa::avx512) {
-      run_rows(M, MR512, [&](int64_t r0, int rows) {
-        with_rows<8>(rows, [&](auto r) {
-          constexpr int MR = decltype(r)::value;
-          panel_passes<MR>(count, [&](int q, auto pp) {
-            constexpr int PP = decltype(pp)::value;
-            const int64_t p = pg + q;
-            fp16_rows_avx512<MR, PP>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K, bp ? bp + p * NC : nullptr,
-                                     yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
-          });
+    if (which == Isa::avx512 && M <= MRF16) {  // one block: each weight read once
+      with_rows<MRF16>(static_cast<int>(M), [&](auto r) {
+        constexpr int MR = decltype(r)::value;
+        panel_passes<MR>(count, [&](int q, auto pp) {
+          constexpr int PP = decltype(pp)::value;
+          const int64_t p = pg + q;
+          fp16_rows_avx512<MR, PP>(xp, ldx, wp + p * K * NC, K * NC, K, bp ? bp + p * NC : nullptr, yp + p * NC, N,
+                                   pass_ncols(N, p, PP));
         });
       });
+      return;
+    }
+    if (which == Isa::avx512) {  // balanced blocks of >= 7 rows, one panel at a time (the rest from L2)
+      const int64_t blocks = (M + MRF16 - 1) / MRF16, mr = (M + blocks - 1) / blocks;
+      for (int64_t p = pg; p < pg + count; ++p)
+        run_rows(M, static_cast<int>(mr), [&](int64_t r0, int rows) {
+          with_rows<MRF16>(rows, [&](auto r) {
+            fp16_rows_avx512<decltype(r)::value, 1>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K,
+                                                    bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N,
+                                                    pass_ncols(N, p, 1));
+          });
+        });
       return;
     }
     linear_avx2(xp, ldx, M, wp, K, nullptr, bp, yp, N, pg, count);
@@ -795,7 +826,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_rows(const uint
     __m512i w[PP][2];
     for (int q = 0; q < PP; ++q) {
       const int8_t* wg = panel + q * pstride + g * 128;
-      _mm_prefetch(reinterpret_cast<const char*>(wg + 16 * 128), _MM_HINT_T0);
+      prefetch_ahead(wg);
       w[q][0] = _mm512_loadu_si512(wg);
       w[q][1] = _mm512_loadu_si512(wg + 64);
     }
@@ -910,7 +941,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_vnni_rows(const
       __m512i w[PP][2];
       for (int q = 0; q < PP; ++q) {
         const uint8_t* wg = panel + q * pstride + k4 * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(wg + 16 * 64), _MM_HINT_T0);
+        prefetch_ahead(wg);
         const __m512i v = _mm512_loadu_si512(wg);
         w[q][0] = _mm512_and_si512(v, low);
         w[q][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -973,7 +1004,7 @@ __attribute__((target("avx2,fma,f16c"))) void int4_i8_rows_avx2(const int8_t* xq
       __m256i w[PP][4];
       for (int q = 0; q < PP; ++q) {
         const uint8_t* wg = panel + q * pstride + k4 * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(wg + 16 * 64), _MM_HINT_T0);
+        prefetch_ahead(wg);
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32));
         w[q][0] = _mm256_and_si256(a, low);
