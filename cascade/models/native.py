@@ -89,7 +89,7 @@ def native_kernels():
 
 
 def _ext():  # the built module (modules hold no reference to it, so that they deep-copy)
-    return _state["module"]
+    return native_kernels()  # built or loaded on first use, then the cached module
 
 
 def unavailable_reason() -> str | None:

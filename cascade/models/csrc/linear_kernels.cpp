@@ -637,11 +637,20 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
 // out[i, h] = sum_j softmax_j(scaling * q[h, i] . k[g, j] + mask[i, j]) v[g, j], g = h / (H / Hkv),
 // over the keys j query i may see (mask above -FLT_MAX / 2; without a mask the causal limit
 // j <= L - n + i).
-// Row-invariant like the linears: each (query, head) is computed alone in one fixed order (the
-// dot over D in vector lanes then a fixed lane reduction; the softmax's max and sum and the
-// weighted sum of values sequential over the visible keys), so a query's output does not depend
-// on how many other queries share the call, and keys it may not see are skipped rather than
-// weighted by zero.
+// Row-invariant like the linears: each (query, head) is computed alone in one fixed order over
+// the keys it may see, taken in order (keys it may not see are skipped, not weighted by zero), so
+// its output depends only on q and those keys: not on how many other queries share the call, nor
+// on where in the cache the visible keys lie (a tree node's path gives the same result as the
+// same tokens decoded one by one).
+// AVX-512 (attend_avx512): the visible keys are numbered 0..V-1 in order and taken 16 at a time;
+// key r's dot is an FMA chain over D in 16 lanes, then a fixed tree over the lanes
+// (reduce16_avx512) that leaves it in lane r % 16 of the block's score vector; the softmax's max
+// is exact; exp is vectorized (exp_avx512, Cephes' single-precision polynomial: within ~1 ulp);
+// its sum is kept per lane r % 16 and reduced by a fixed tree at the end; the weighted sum of
+// values runs over r in order with D in registers. Every step is a function of the rank r and
+// the values, so two calls that see the same keys in the same order agree bit for bit.
+// AVX2: one key at a time (the dot over D in lanes then a sequential lane sum; the softmax and
+// the weighted sum sequential over the keys).
 
 __attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
@@ -687,6 +696,112 @@ __attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float p, const float* v,
   for (; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
 }
 
+// Lane c of the result = the sum of v[c]'s 16 lanes, by the same tree for every c: within each
+// 128-bit block (e0 + e2) + (e1 + e3), then the four blocks (b0 + b1) + (b2 + b3).
+__attribute__((target("avx512f"))) inline __m512 reduce16_avx512(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int c = 0; c < 8; ++c)
+    t[c] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * c], v[2 * c + 1]), _mm512_unpackhi_ps(v[2 * c], v[2 * c + 1]));
+  for (int c = 0; c < 4; ++c)  // block k of u[c]: the block-k sums of v[4c .. 4c + 3]
+    u[c] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * c], t[2 * c + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * c], t[2 * c + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// e^x for x <= 0 (a score minus the row's max): Cephes' expf, x = n ln2 + r with |r| <= ln2 / 2
+// (ln2 in two parts), a degree-5 polynomial for (e^r - 1 - r) / r^2, then times 2^n (scalef
+// rounds once, so results below the normal range come out as the nearest denormal or 0).
+// Inputs are clamped at -104 (e^-104 is below the smallest denormal) so r stays small.
+__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// One (query, head) over its V visible keys (key pointers kj[r], additive mask values add[r]):
+// out[D] = sum_r softmax(scale * q . k_r + add_r) v_r. DC = the number of 16-lane chunks of D
+// (<= 8: the accumulators stay in registers); the last chunk has the lanes of `tail`.
+// score: >= V rounded up to 16 floats of scratch.
+template <int DC>
+__attribute__((target("avx512f"))) void attend_avx512(const float* qi, const float* const* kj, const float* const* vj,
+                                                       const float* add, int64_t V, float scale, __mmask16 tail,
+                                                       float* score, float* oi) {
+  __m512 qv[DC];
+  for (int c = 0; c < DC; ++c) qv[c] = _mm512_maskz_loadu_ps(c == DC - 1 ? tail : 0xFFFF, qi + 16 * c);
+  // 1. scores, 16 keys per block
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t r0 = 0; r0 < V; r0 += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, V - r0));
+    __m512 part[16];
+    for (int c = 0; c < 16; ++c) {
+      __m512 acc = _mm512_setzero_ps();
+      if (c < count)
+        for (int d = 0; d < DC; ++d)
+          acc = _mm512_fmadd_ps(qv[d], _mm512_maskz_loadu_ps(d == DC - 1 ? tail : 0xFFFF, kj[r0 + c] + 16 * d), acc);
+      part[c] = acc;
+    }
+    const __mmask16 valid = static_cast<__mmask16>(count == 16 ? 0xFFFF : (1u << count) - 1);
+    const __m512 sv = _mm512_add_ps(_mm512_mul_ps(reduce16_avx512(part), _mm512_set1_ps(scale)),
+                                    _mm512_maskz_loadu_ps(valid, add + r0));
+    _mm512_storeu_ps(score + r0, sv);
+    top = _mm512_mask_max_ps(top, valid, top, sv);
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(top));  // max is exact: any order
+  // 2. weights e^(s - max), in place, and their sum per lane r % 16
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t r0 = 0; r0 < V; r0 += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, V - r0));
+    const __mmask16 valid = static_cast<__mmask16>(count == 16 ? 0xFFFF : (1u << count) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(score + r0), mx)));
+    _mm512_storeu_ps(score + r0, e);
+    lanes = _mm512_add_ps(lanes, e);
+  }
+  __m512 one[16];
+  one[0] = lanes;
+  for (int c = 1; c < 16; ++c) one[c] = _mm512_setzero_ps();
+  const float total = _mm_cvtss_f32(_mm512_castps512_ps128(reduce16_avx512(one)));  // lane 0: the lane sum
+  // 3. the weighted sum of values, keys in order
+  __m512 acc[DC];
+  for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < V; ++r) {
+    const __m512 pb = _mm512_set1_ps(score[r]);
+    for (int c = 0; c < DC; ++c)
+      acc[c] = _mm512_fmadd_ps(pb, _mm512_maskz_loadu_ps(c == DC - 1 ? tail : 0xFFFF, vj[r] + 16 * c), acc[c]);
+  }
+  const __m512 tv = _mm512_set1_ps(total);
+  for (int c = 0; c < DC; ++c)
+    _mm512_mask_storeu_ps(oi + 16 * c, c == DC - 1 ? tail : 0xFFFF, _mm512_div_ps(acc[c], tv));
+}
+
+template <typename Fn>
+void with_chunks(int64_t dc, Fn&& fn) {  // fn(std::integral_constant<int, dc>) for dc in 1..8
+  switch (dc) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask, double scaling) {
   TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
@@ -721,6 +836,37 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   // mask values at or below this hide a key: its weight exp(score - max) would be exactly 0, so
   // skipping it gives the same sums (a mask may write -inf or the dtype's lowest value)
   const float hidden = -std::numeric_limits<float>::max() / 2;
+  const int64_t chunks = (D + 15) / 16;
+  if (wide && chunks <= 8) {  // D <= 128: attend_avx512
+    const __mmask16 tail = static_cast<__mmask16>(D % 16 == 0 ? 0xFFFF : (1u << (D % 16)) - 1);
+    at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> score(L + 16), add(L + 16);
+      std::vector<const float*> kj(L), vj(L);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t b = t / H, h = t % H, g = h / group;
+        const float* kb = kp + b * k.stride(0) + g * k.stride(1);
+        const float* vb = vp + b * v.stride(0) + g * v.stride(1);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* mi = mp ? mp + b * ms_b + i * ms_i : nullptr;
+          const int64_t limit = mp ? L : L - n + i + 1;  // keys 0 .. limit-1 are candidates
+          int64_t V = 0;  // the visible keys, in order
+          for (int64_t j = 0; j < limit; ++j) {
+            const float m = mi ? mi[j * ms_j] : 0.0f;
+            if (m <= hidden) continue;
+            kj[V] = kb + j * k.stride(2);
+            vj[V] = vb + j * v.stride(2);
+            add[V++] = m;
+          }
+          with_chunks(chunks, [&](auto dc) {
+            attend_avx512<decltype(dc)::value>(qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), kj.data(),
+                                               vj.data(), add.data(), V, scale, tail, score.data(),
+                                               op + ((b * n + i) * H + h) * D);
+          });
+        }
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> score(L);
     std::vector<float> acc(D);
