@@ -24,7 +24,7 @@ from torch import nn
 from cascade.models.native import (NativeFP16Linear, NativeInt4Linear, NativeInt4VNNILinear, NativeInt8Linear,
                                    NativeInt8VNNILinear, fp32_sum_bound, pack_int4_vnni, unpack_int4_vnni,
                                    native_kernels,
-                                   native_attention, swap_linears, unavailable_reason)
+                                   native_attention, side_by_side, swap_linears, unavailable_reason)
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 DISABLED = os.environ.get("CASCADE_NATIVE", "1") == "0"
@@ -115,6 +115,47 @@ def test_rows_are_bitwise_invariant(kind, shape):
     singles = torch.cat([module(x[i:i + 1]) for i in range(32)])
     for m in range(1, 33):
         assert torch.equal(module(x[:m]), singles[:m]), m
+
+
+KINDS = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear,
+         "int8_vnni": NativeInt8VNNILinear, "int4_vnni": NativeInt4VNNILinear}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_side_by_side_op_is_bitwise_the_separate_layers(kind):
+    """Layers reading one input joined into one op (q / k / v, gate / up): its output is the
+    separate layers' outputs side by side bit for bit (the last layer's partial panel included),
+    the layers keep working on views of the joined buffer, and layers that cannot be joined
+    (a width before the last that is not whole panels, or another kernel) are refused."""
+    if _needs(kind):
+        pytest.skip(_needs(kind))
+    k = 128
+    layers = [KINDS[kind](_fp16_linear(k, n, bias=True, seed=10 + n)) for n in (96, 64, 45)]
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    separate = torch.cat([m(x) for m in layers], dim=1)
+    op = side_by_side(layers)
+    assert torch.equal(op(x), separate)
+    assert torch.equal(torch.cat([m(x) for m in layers], dim=1), separate)  # the layers on their views
+    assert layers[0].packed.data_ptr() < layers[1].packed.data_ptr() < layers[2].packed.data_ptr()
+    assert layers[0].packed.untyped_storage().data_ptr() == layers[2].packed.untyped_storage().data_ptr()
+    assert side_by_side([KINDS[kind](_fp16_linear(k, 45, bias=True, seed=1)),
+                         KINDS[kind](_fp16_linear(k, 64, bias=True, seed=2))]) is None
+    other = NativeFP16Linear if kind != "fp16" else NativeInt8Linear
+    assert side_by_side([KINDS[kind](_fp16_linear(k, 64, bias=True, seed=1)), other(_fp16_linear(k, 64, bias=True, seed=2))]) is None
+
+
+def test_rope_is_bitwise_transformers_rotary():
+    """The native RoPE (one loop) gives bitwise transformers' apply_rotary_pos_emb (three ATen
+    operations), on a strided q as the joined projection's output is."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(5)
+    n, heads, d = 7, 6, 64
+    y = torch.randn(n, heads * d + 96, generator=gen) * 30  # q beside other columns
+    q = y[:, : heads * d].view(1, n, heads, d).transpose(1, 2)  # [1, H, n, D], strided
+    cos, sin = torch.randn(1, n, d, generator=gen), torch.randn(1, n, d, generator=gen)
+    ref, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    assert torch.equal(native_kernels().rope(q, cos[:, None], sin[:, None]), ref)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -262,6 +303,9 @@ def test_tiny_model_runs_the_lean_forward(tiny_native):
 
     assert isinstance(tiny_native.lean, LeanDecoder)
     assert all(isinstance(layer, FusedLayer) for layer in tiny_native.lean.layers)  # two native calls per layer
+    # gate / up (64 columns each) joined; q / k / v not (k's 16 columns are not whole panels): the
+    # per-layer ops concatenated instead (the joined path: test_fused_layers_are_bitwise_the_per_op_layers)
+    assert all(len(layer.qkv) == 3 and len(layer.rest[3]) == 1 for layer in tiny_native.lean.layers)
     assert tiny_native.model.config._attn_implementation == "cascade_native"
 
 
@@ -280,6 +324,7 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
     lm = base if quantize is None else quantized_copy(base, quantize)
     fused, ops = lm.lean, LeanDecoder(lm.model, fused_layers=False)
     assert all(isinstance(layer, FusedLayer) for layer in fused.layers)
+    assert all(len(layer.qkv) == 1 and len(layer.rest[3]) == 1 for layer in fused.layers)  # joined projections
     assert all(isinstance(layer, OpsLayer) for layer in ops.layers)
 
     def run():

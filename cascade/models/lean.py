@@ -107,23 +107,34 @@ class OpsLayer:
         return h + mlp.down_proj(self.kernels.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
 
 
+def _side_by_side(linears: list) -> list:
+    """Layers reading the same input as the extension's ops: one joined op where
+    :func:`native.side_by_side` can join them, else one op per layer (the call concatenates)."""
+    joined = native.side_by_side(linears)
+    return [joined] if joined is not None else [m.op() for m in linears]
+
+
 class FusedLayer:
     """The same layer as two native calls around the cache update (``layer_qkv``: norm,
     projections, RoPE; ``layer_rest``: attention, o_proj, residual, norm, MLP, residual): the
     same operations in the same order, so bitwise :class:`OpsLayer`, without the interpreter's
-    work between them. Needs both norms fused."""
+    work between them. q / k / v and gate / up run as one joined op each where
+    :func:`native.side_by_side` can join them (their weights then live in one buffer per layer,
+    the modules holding views). Needs both norms fused."""
 
     def __init__(self, layer: nn.Module, in_norm: FusedNorm, post_norm: FusedNorm, head_dim: int, scaling: float) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = (attn.q_proj.op(), attn.k_proj.op(), attn.v_proj.op())
-        self.rest = (attn.o_proj.op(), post_norm.weight, post_norm.eps, mlp.gate_proj.op(), mlp.up_proj.op(),
+        self.qkv = _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.widths = (attn.q_proj.out_features, attn.k_proj.out_features)  # q's and k's columns of qkv
+        self.rest = (attn.o_proj.op(), post_norm.weight, post_norm.eps, _side_by_side([mlp.gate_proj, mlp.up_proj]),
                      mlp.down_proj.op())
         self.in_norm, self.head_dim, self.scaling = in_norm, head_dim, scaling
         self.kernels = native.native_kernels()
 
     def __call__(self, h: torch.Tensor, index: int, cos: torch.Tensor, sin: torch.Tensor, cache,
                  mask: torch.Tensor | None) -> torch.Tensor:  # h [n, E] -> [n, E]
-        q, k, v = self.kernels.layer_qkv(h, self.in_norm.weight, self.in_norm.eps, *self.qkv, cos, sin, self.head_dim)
+        q, k, v = self.kernels.layer_qkv(h, self.in_norm.weight, self.in_norm.eps, self.qkv, *self.widths, cos, sin,
+                                         self.head_dim)
         keys, values = cache.update(k, v, index)  # [1, Hkv, L, D]
         return self.kernels.layer_rest(h, q, keys, values, mask, self.scaling, *self.rest)
 

@@ -178,11 +178,18 @@ class NativeLinear(nn.Module):
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:  # [M, in] fp32 -> [M, out]
         raise NotImplementedError
 
-    def op(self):
+    KIND: int  # the extension's LinearOp kind
+    PANEL_TENSORS: dict[str, str]  # LinearOp argument -> this module's tensor laid out by panels ([P, ...] / [P * 32])
+
+    def op(self, **side_by_side):
         """This layer as the extension's ``LinearOp`` (the same kernel and tensors as
         ``_matmul``), for the lean forward's two-call layer; made on demand, not held, so that
-        modules still deep-copy."""
-        raise NotImplementedError
+        modules still deep-copy. ``side_by_side``: the op's tensors, ``N`` and ``bias`` replaced
+        (:func:`side_by_side` passes several layers' joined)."""
+        fields = {arg: getattr(self, attr) for arg, attr in self.PANEL_TENSORS.items()}
+        fields.update(N=self.out_features, bias=self.bias, group=getattr(self, "group", 0))
+        fields.update(side_by_side)
+        return _ext().LinearOp(kind=self.KIND, **fields)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1:  # the lean forward's rows: no reshaping
@@ -202,6 +209,8 @@ class NativeLinear(nn.Module):
 class NativeFP16Linear(NativeLinear):
     """fp16 weights (exactly the checkpoint's), fp32 arithmetic, row-invariant."""
 
+    KIND, PANEL_TENSORS = 0, {"packed": "packed"}
+
     def __init__(self, linear: nn.Linear) -> None:
         bad = fp16_inexact(linear.weight)
         if bad:
@@ -215,12 +224,11 @@ class NativeFP16Linear(NativeLinear):
     def _matmul(self, x2d):
         return _ext().linear_fp16(x2d, self.packed, self.out_features, self.bias)
 
-    def op(self):
-        return _ext().LinearOp(kind=0, packed=self.packed, N=self.out_features, bias=self.bias)
-
 
 class NativeInt8Linear(NativeLinear):
     """int8 weights, one scale per output channel, fp32 activations and arithmetic (a drafter's)."""
+
+    KIND, PANEL_TENSORS = 1, {"packed": "packed", "scale": "scale"}
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -234,14 +242,13 @@ class NativeInt8Linear(NativeLinear):
     def _matmul(self, x2d):
         return _ext().linear_int8(x2d, self.packed, self.scale, self.out_features, self.bias)
 
-    def op(self):
-        return _ext().LinearOp(kind=1, packed=self.packed, scale=self.scale, N=self.out_features, bias=self.bias)
-
 
 class NativeInt8VNNILinear(NativeLinear):
     """int8 weights (one scale per output channel) times int8 activations (quantized per row at
     each call), int32 sums: AVX-512 VNNI, four times fp32's multiply-adds per instruction, so a
     tree level or catch-up forward of several rows costs about one row's (a drafter's)."""
+
+    KIND, PANEL_TENSORS = 2, {"packed": "packed", "scale": "scale", "colsum": "colsum"}
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -268,13 +275,11 @@ class NativeInt8VNNILinear(NativeLinear):
     def _matmul(self, x2d):
         return _ext().linear_int8_vnni(x2d, self.packed, self.colsum, self.scale, self.out_features, self.bias)
 
-    def op(self):
-        return _ext().LinearOp(kind=2, packed=self.packed, scale=self.scale, colsum=self.colsum, N=self.out_features,
-                               bias=self.bias)
-
 
 class NativeInt4Linear(NativeLinear):
     """int4 weights, one scale per output column and group of 64 along K (a drafter's)."""
+
+    KIND, PANEL_TENSORS = 3, {"packed": "packed", "scale": "scales"}
 
     pack = staticmethod(pack_int4)  # [N, K] 0..15 -> this kernel's byte layout ([P, K, 16])
     unpack = staticmethod(unpack_int4)
@@ -293,10 +298,6 @@ class NativeInt4Linear(NativeLinear):
 
     def _matmul(self, x2d):
         return _ext().linear_int4(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
-
-    def op(self):
-        return _ext().LinearOp(kind=3, packed=self.packed, scale=self.scales, group=self.group, N=self.out_features,
-                               bias=self.bias)
 
 
 def pack_int4_vnni(q: torch.Tensor) -> torch.Tensor:
@@ -323,6 +324,7 @@ class NativeInt4VNNILinear(NativeInt4Linear):
     bit): a drafter's token nearer its bytes' cost, where fp32 arithmetic on int4 weights is
     bound by the unpacking and the FMAs (a drafter's)."""
 
+    KIND = 4
     pack = staticmethod(pack_int4_vnni)
     unpack = staticmethod(unpack_int4_vnni)
 
@@ -334,9 +336,31 @@ class NativeInt4VNNILinear(NativeInt4Linear):
     def _matmul(self, x2d):
         return _ext().linear_int4_vnni(x2d, self.packed, self.scales, self.group, self.out_features, self.bias)
 
-    def op(self):
-        return _ext().LinearOp(kind=4, packed=self.packed, scale=self.scales, group=self.group, N=self.out_features,
-                               bias=self.bias)
+
+def side_by_side(linears: list[NativeLinear]):
+    """One ``LinearOp`` for layers that read the same input (q / k / v, gate / up): their output
+    columns side by side, one kernel call instead of one per layer (and for the int8-activation
+    kernels one quantization of the input). Every column is computed as in its own layer, so the
+    result is bitwise the separate calls'. Their panel-laid tensors are joined into one buffer
+    and each layer keeps a view of its part (no second copy of the weights). None where they
+    cannot be joined: different kernels, inputs, groups or bias presence, or a layer before the
+    last whose width is not a whole number of panels."""
+    first = linears[0]
+    if (len({type(m) for m in linears}) != 1 or len({m.in_features for m in linears}) != 1
+            or len({getattr(m, "group", 0) for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1
+            or any(m.out_features % PANEL for m in linears[:-1])):
+        return None
+    joined: dict[str, torch.Tensor | None] = {}
+    for arg, attr in first.PANEL_TENSORS.items():
+        whole = torch.cat([getattr(m, attr) for m in linears])
+        start = 0
+        for m in linears:
+            rows = getattr(m, attr).shape[0]
+            setattr(m, attr, whole[start:start + rows])  # contiguous: a range of whole panels
+            start += rows
+        joined[arg] = whole
+    joined["bias"] = None if first.bias is None else torch.cat([m.bias for m in linears])
+    return first.op(N=sum(m.out_features for m in linears), **joined)
 
 
 ATTENTION = "cascade_native"  # the name the attention function is registered under in transformers

@@ -1316,10 +1316,39 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return weight * h.to(x.scalar_type());
 }
 
+// transformers' apply_rotary_pos_emb for one of q / k: (x * cos) + (rotate_half(x) * sin),
+// rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Each output element is the same three
+// roundings as ATen's three elementwise operations (a product, a product, their sum; negation is
+// exact), so one loop gives their result bit for bit without a dispatch per operation.
+// x [1, H, n, D] (any strides, unit along D), cos / sin [1, 1, n, D] -> [1, H, n, D] contiguous.
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  auto rotated = torch::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-  return (x * cos) + (rotated * sin);
+  TORCH_CHECK(x.dim() == 4 && x.size(0) == 1 && x.scalar_type() == torch::kFloat32 && x.stride(3) == 1,
+              "rope: x must be [1, H, n, D] fp32 with unit stride along D");
+  const int64_t H = x.size(1), n = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "rope: D must be even");
+  auto c = cos.expand({1, 1, n, D}).contiguous(), s = sin.expand({1, 1, n, D}).contiguous();
+  TORCH_CHECK(c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32, "rope: cos / sin must be fp32");
+  auto out = torch::empty({1, H, n, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xi = xp + h * x.stride(1) + i * x.stride(2);
+      const float* ci = cp + i * D;
+      const float* si = sp + i * D;
+      float* oi = op + (h * n + i) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = xi[d] * ci[d], b = -xi[d + half] * si[d];
+        oi[d] = a + b;
+      }
+      for (int64_t d = half; d < D; ++d) {
+        const float a = xi[d] * ci[d], b = xi[d - half] * si[d];
+        oi[d] = a + b;
+      }
+    }
+  return out;
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) { return torch::silu(gate) * up; }
@@ -1352,15 +1381,28 @@ struct LinearOp {
   }
 };
 
-// h [n, E] -> q [1, H, n, D], k, v [1, Hkv, n, D]: the input norm, the projections, RoPE on q and k.
+// Linear layers that read the same input as one call: either one op whose output columns are
+// the parts' side by side (their panels concatenated, cascade/models/lean.py: fused_op; every
+// column computed as in its own layer, so bitwise the separate calls), or the separate ops,
+// whose outputs are concatenated. -> [n, sum of widths].
+torch::Tensor side_by_side(const std::vector<LinearOp>& ops, const torch::Tensor& x) {
+  if (ops.size() == 1) return ops[0](x);
+  std::vector<torch::Tensor> parts;
+  for (const auto& op : ops) parts.push_back(op(x));
+  return torch::cat(parts, 1);
+}
+
+// h [n, E] -> q [1, H, n, D], k, v [1, Hkv, n, D]: the input norm, the projections (qkv: q, k, v
+// side by side, widths nq, nk, nv), RoPE on q and k.
 std::vector<torch::Tensor> layer_qkv(const torch::Tensor& h, const torch::Tensor& norm_weight, double eps,
-                                     const LinearOp& q_proj, const LinearOp& k_proj, const LinearOp& v_proj,
-                                     const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
+                                     const std::vector<LinearOp>& qkv, int64_t nq, int64_t nk, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, int64_t head_dim) {
   const int64_t n = h.size(0);
   auto x = rms_norm(h, norm_weight, eps);
-  auto q = q_proj(x).view({1, n, -1, head_dim}).transpose(1, 2);
-  auto k = k_proj(x).view({1, n, -1, head_dim}).transpose(1, 2);
-  auto v = v_proj(x).view({1, n, -1, head_dim}).transpose(1, 2);
+  auto y = side_by_side(qkv, x);  // [n, nq + nk + nv]
+  auto q = y.narrow(1, 0, nq).view({1, n, -1, head_dim}).transpose(1, 2);
+  auto k = y.narrow(1, nq, nk).view({1, n, -1, head_dim}).transpose(1, 2);
+  auto v = y.narrow(1, nq + nk, y.size(1) - nq - nk).view({1, n, -1, head_dim}).transpose(1, 2);
   return {rope(q, cos, sin), rope(k, cos, sin), v};
 }
 
@@ -1368,13 +1410,17 @@ std::vector<torch::Tensor> layer_qkv(const torch::Tensor& h, const torch::Tensor
 // [1, Hkv, L, D], o_proj, the residual, the post-attention norm, the gated MLP, the residual.
 torch::Tensor layer_rest(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& keys,
                          const torch::Tensor& values, const c10::optional<torch::Tensor>& mask, double scaling,
-                         const LinearOp& o_proj, const torch::Tensor& norm_weight, double eps, const LinearOp& gate_proj,
-                         const LinearOp& up_proj, const LinearOp& down_proj) {
+                         const LinearOp& o_proj, const torch::Tensor& norm_weight, double eps,
+                         const std::vector<LinearOp>& gate_up, const LinearOp& down_proj) {
   const int64_t n = h.size(0);
   auto out = attention(q, keys, values, mask, scaling);  // [1, n, H, D]
   auto h1 = h + o_proj(out.reshape({n, -1}));
   auto x = rms_norm(h1, norm_weight, eps);
-  return h1 + down_proj(silu_mul(gate_proj(x), up_proj(x)));
+  auto y = side_by_side(gate_up, x);  // [n, 2 I]: gate, up
+  const int64_t inter = y.size(1) / 2;
+  // silu on a contiguous gate, as on the separate projection's output (ATen's vector and scalar
+  // exp may differ in the last bit, and its loop splits a contiguous tensor as one run)
+  return h1 + down_proj(silu_mul(y.narrow(1, 0, inter).contiguous(), y.narrow(1, inter, inter)));
 }
 
 std::string isa_name() {
@@ -1397,13 +1443,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("packed"), py::arg("scale") = py::none(), py::arg("colsum") = py::none(),
            py::arg("group") = 0, py::arg("N"), py::arg("bias") = py::none())
       .def("__call__", &LinearOp::operator(), py::arg("x"));
-  m.def("layer_qkv", &layer_qkv, "input norm, q / k / v projections, RoPE on q and k: [q, k, v]", py::arg("h"),
-        py::arg("norm_weight"), py::arg("eps"), py::arg("q_proj"), py::arg("k_proj"), py::arg("v_proj"), py::arg("cos"),
+  m.def("layer_qkv", &layer_qkv, "input norm, q / k / v projections (side by side), RoPE on q and k: [q, k, v]",
+        py::arg("h"), py::arg("norm_weight"), py::arg("eps"), py::arg("qkv"), py::arg("nq"), py::arg("nk"), py::arg("cos"),
         py::arg("sin"), py::arg("head_dim"));
   m.def("layer_rest", &layer_rest, "attention over the cache, o_proj, residual, post norm, gated MLP, residual",
         py::arg("h"), py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("scaling"),
-        py::arg("o_proj"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_proj"), py::arg("up_proj"),
-        py::arg("down_proj"));
+        py::arg("o_proj"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_up"), py::arg("down_proj"));
   m.def("isa", &isa_name, "the instruction set the kernels run on: avx512, avx2 or none");
   m.def("linear_fp16", &linear_fp16, "y = x @ W^T (+ bias), W packed fp16 [P, K, 32]", py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none());
