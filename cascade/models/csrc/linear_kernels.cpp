@@ -45,10 +45,10 @@ constexpr int NC = 32;  // columns per panel
 
 // Software prefetch distance along a panel's stream. A weight stream read at the memory's rate
 // with the FMAs of several rows per cache line leaves the core no slack to wait for a line: the
-// hardware prefetcher alone and a 1 KB lead left the 8-row call of the 1.5B's layers at 1.35x
-// its 1-row time; 8 KB ahead (~100 cache lines, enough to cover the DRAM latency at this rate)
-// makes the reads overlap the arithmetic, so a call costs the larger of the two
-// (docs/backends.md, "Prefetch and row blocks").
+// hardware prefetcher alone and a 1 KB lead left an 8-row pass over the 1.5B's layers at 1.28x
+// the 1-row one on an EPYC with two 512-bit FMA pipes; 8 KB ahead (128 cache lines) lets the
+// reads overlap the arithmetic: 0.98x (experiments/linear_rows.py; docs/backends.md, "Prefetch
+// and row blocks").
 #ifndef CASCADE_PREFETCH_BYTES
 #define CASCADE_PREFETCH_BYTES 8192
 #endif
@@ -645,7 +645,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
 // AVX-512 (attend_avx512): the visible keys are numbered 0..V-1 in order and taken 16 at a time;
 // key r's dot is an FMA chain over D in 16 lanes, then a fixed tree over the lanes
 // (reduce16_avx512) that leaves it in lane r % 16 of the block's score vector; the softmax's max
-// is exact; exp is vectorized (exp_avx512, Cephes' single-precision polynomial: within ~1 ulp);
+// is exact; exp is vectorized (exp_avx512, Cephes' single-precision polynomial);
 // its sum is kept per lane r % 16 and reduced by a fixed tree at the end; the weighted sum of
 // values runs over r in order with D in registers. Every step is a function of the rank r and
 // the values, so two calls that see the same keys in the same order agree bit for bit.
