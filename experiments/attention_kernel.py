@@ -22,12 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cascade.models import zoo  # noqa: E402
-from cascade.models.native import CFLAGS, SOURCE, native_kernels  # noqa: E402
+from cascade.models.native import SOURCE, build_extension, native_kernels  # noqa: E402
 
 
 def build_revision(rev: str):
-    from torch.utils.cpp_extension import load
-
     source = subprocess.run(["git", "show", f"{rev}:{SOURCE.relative_to(ROOT)}"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
     commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
@@ -36,8 +34,7 @@ def build_revision(rev: str):
     build.mkdir(parents=True, exist_ok=True)
     path = build / "linear_kernels.cpp"
     path.write_text(source)
-    return commit, load(name=f"cascade_native_rev_{commit}", sources=[str(path)], build_directory=str(build),
-                        extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    return commit, build_extension(f"cascade_native_rev_{commit}", path, build)
 
 
 def main() -> None:

@@ -31,18 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cascade.models import zoo  # noqa: E402
-from cascade.models.native import CFLAGS, SOURCE, pack_fp16  # noqa: E402
+from cascade.models.native import SOURCE, build_extension, pack_fp16  # noqa: E402
 
 
 def build_variant(prefetch_bytes: int, rows: int):
-    from torch.utils.cpp_extension import load
-
     name = f"cascade_native_pf{prefetch_bytes}_r{rows}"
-    build = zoo.cache_root() / "native-variants" / name
-    build.mkdir(parents=True, exist_ok=True)
-    flags = CFLAGS + [f"-DCASCADE_PREFETCH_BYTES={prefetch_bytes}", f"-DCASCADE_FP16_ROWS={rows}"]
-    return load(name=name, sources=[str(SOURCE)], build_directory=str(build), extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    return build_extension(name, SOURCE, zoo.cache_root() / "native-variants" / name,
+                           (f"-DCASCADE_PREFETCH_BYTES={prefetch_bytes}", f"-DCASCADE_FP16_ROWS={rows}"))
 
 
 def layer_shapes(model: str) -> tuple[list[tuple[int, int]], int]:

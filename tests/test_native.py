@@ -98,7 +98,11 @@ def _needs(kind: str | None) -> str | None:  # why a kernel kind cannot run here
     return None
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int8", "int4", "int8_vnni", "int4_vnni"])
+KINDS = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear,
+         "int8_vnni": NativeInt8VNNILinear, "int4_vnni": NativeInt4VNNILinear}  # kind -> module
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("shape", [(1536, 256), (896, 4864), (64, 45), (128, 33), (256, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_rows_are_bitwise_invariant(kind, shape):
     """Row i of an M-row call equals the 1-row call on row i, bit for bit, for M = 1..32 (the
@@ -109,16 +113,11 @@ def test_rows_are_bitwise_invariant(kind, shape):
     if kind.startswith("int4") and k % 64:
         pytest.skip("int4 needs K divisible by 64")
     lin = _fp16_linear(k, n, bias=True, seed=3)
-    module = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear,
-              "int8_vnni": NativeInt8VNNILinear, "int4_vnni": NativeInt4VNNILinear}[kind](lin)
+    module = KINDS[kind](lin)
     x = torch.randn(32, k, generator=torch.Generator().manual_seed(2))
     singles = torch.cat([module(x[i:i + 1]) for i in range(32)])
     for m in range(1, 33):
         assert torch.equal(module(x[:m]), singles[:m]), m
-
-
-KINDS = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4Linear,
-         "int8_vnni": NativeInt8VNNILinear, "int4_vnni": NativeInt4VNNILinear}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -60,6 +60,17 @@ def _build_dir() -> Path:
     return zoo.cache_root() / "native" / f"torch{torch.__version__}-{digest}"
 
 
+def build_extension(name: str, source: Path, build_dir: Path, extra_cflags: tuple[str, ...] = ()):
+    """Compile (or load the cached build of) a kernels source as the extension module ``name``
+    in ``build_dir``, with this module's flags (``extra_cflags`` after them: the experiments'
+    -D variants and other revisions of the source)."""
+    from torch.utils.cpp_extension import load
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(source)], build_directory=str(build_dir), extra_cflags=CFLAGS + list(extra_cflags),
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
 def native_kernels():
     """The compiled extension (built and cached on first use), or None where it cannot be built
     or run here (:func:`unavailable_reason` says why)."""
@@ -72,12 +83,7 @@ def native_kernels():
         reason = f"the kernels are x86 (AVX2 / AVX-512); this machine is {platform.machine()}"
     else:
         try:
-            from torch.utils.cpp_extension import load
-
-            build = _build_dir()
-            build.mkdir(parents=True, exist_ok=True)
-            module = load(name="cascade_native", sources=[str(SOURCE)], build_directory=str(build),
-                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+            module = build_extension("cascade_native", SOURCE, _build_dir())
             if module.isa() == "none":
                 module, reason = None, "this CPU has neither AVX-512 nor AVX2 + FMA + F16C"
         except Exception as exc:  # no compiler, missing headers, a failed build: fall back, say why

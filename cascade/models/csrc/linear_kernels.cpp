@@ -1382,7 +1382,7 @@ struct LinearOp {
 };
 
 // Linear layers that read the same input as one call: either one op whose output columns are
-// the parts' side by side (their panels concatenated, cascade/models/lean.py: fused_op; every
+// the parts' side by side (their panels concatenated, cascade/models/native.py: side_by_side; every
 // column computed as in its own layer, so bitwise the separate calls), or the separate ops,
 // whose outputs are concatenated. -> [n, sum of widths].
 torch::Tensor side_by_side(const std::vector<LinearOp>& ops, const torch::Tensor& x) {
