@@ -517,6 +517,14 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
   float* yp = y.data_ptr<float>();
   const Isa which = isa();
   for_panel_groups(P, [&](int64_t pg, int count) {
+    // One row: one panel's stream at a time (two FMA chains are enough for the memory's rate):
+    // 1.00-1.02x on the 1.5B's layers (results/kernels/linear_revision_one_stream.log).
+    if (which == Isa::avx512 && M == 1) {
+      for (int64_t p = pg; p < pg + count; ++p)
+        fp16_rows_avx512<1, 1>(xp, ldx, wp + p * K * NC, K * NC, K, bp ? bp + p * NC : nullptr, yp + p * NC, N,
+                               pass_ncols(N, p, 1));
+      return;
+    }
     if (which == Isa::avx512 && M <= MRF16) {  // one block: each weight read once
       with_rows<MRF16>(static_cast<int>(M), [&](auto r) {
         constexpr int MR = decltype(r)::value;
@@ -1080,7 +1088,7 @@ torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& pack
 // a drafter may be. Row-invariant: integer sums are exact and each row's float steps run in one
 // order whatever the other rows.
 
-template <int MR, int PP>
+template <int MR, int PP, int SPLIT = 1>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_vnni_rows(const int8_t* xq, int64_t ldxq,
                                                                             const int32_t* xsum, int64_t ldxs,
                                                                             const float* sx, const uint8_t* panel,
@@ -1093,36 +1101,43 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void int4_vnni_rows(const
     for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < K / G; ++g) {
-    __m512i iacc[PP][MR][2];
-    for (int q = 0; q < PP; ++q)
-      for (int m = 0; m < MR; ++m) iacc[q][m][0] = iacc[q][m][1] = _mm512_setzero_si512();
-    for (int64_t k4 = g * G / 4; k4 < (g + 1) * G / 4; ++k4) {
-      __m512i w[PP][2];
-      for (int q = 0; q < PP; ++q) {
-        const uint8_t* wg = panel + q * pstride + k4 * 64;
-        prefetch_ahead(wg);
-        const __m512i v = _mm512_loadu_si512(wg);
-        w[q][0] = _mm512_and_si512(v, low);
-        w[q][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      for (int m = 0; m < MR; ++m) {
-        int32_t four;
-        std::memcpy(&four, xq + m * ldxq + 4 * k4, 4);
-        const __m512i xb = _mm512_set1_epi32(four);
+    __m512i iacc[SPLIT][PP][MR][2];
+    for (int u = 0; u < SPLIT; ++u)
+      for (int q = 0; q < PP; ++q)
+        for (int m = 0; m < MR; ++m) iacc[u][q][m][0] = iacc[u][q][m][1] = _mm512_setzero_si512();
+    for (int64_t k4 = g * G / 4; k4 < (g + 1) * G / 4; k4 += SPLIT) {
+      for (int u = 0; u < SPLIT; ++u) {
+        __m512i w[PP][2];
         for (int q = 0; q < PP; ++q) {
-          iacc[q][m][0] = _mm512_dpbusd_epi32(iacc[q][m][0], w[q][0], xb);
-          iacc[q][m][1] = _mm512_dpbusd_epi32(iacc[q][m][1], w[q][1], xb);
+          const uint8_t* wg = panel + q * pstride + (k4 + u) * 64;
+          prefetch_ahead(wg);
+          const __m512i v = _mm512_loadu_si512(wg);
+          w[q][0] = _mm512_and_si512(v, low);
+          w[q][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int m = 0; m < MR; ++m) {
+          int32_t four;
+          std::memcpy(&four, xq + m * ldxq + 4 * (k4 + u), 4);
+          const __m512i xb = _mm512_set1_epi32(four);
+          for (int q = 0; q < PP; ++q) {
+            iacc[u][q][m][0] = _mm512_dpbusd_epi32(iacc[u][q][m][0], w[q][0], xb);
+            iacc[u][q][m][1] = _mm512_dpbusd_epi32(iacc[u][q][m][1], w[q][1], xb);
+          }
         }
       }
     }
+    for (int u = 1; u < SPLIT; ++u)  // integer sums: exact in any order
+      for (int q = 0; q < PP; ++q)
+        for (int m = 0; m < MR; ++m)
+          for (int h = 0; h < 2; ++h) iacc[0][q][m][h] = _mm512_add_epi32(iacc[0][q][m][h], iacc[u][q][m][h]);
     for (int q = 0; q < PP; ++q) {
       const float* sg = scales + q * sstride + g * NC;
       prefetch_scales(sg, G);
       const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
       for (int m = 0; m < MR; ++m) {
         const __m512i off = _mm512_set1_epi32(8 * xsum[m * ldxs + g]);
-        acc[q][m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[q][m][0], off)), s0, acc[q][m][0]);
-        acc[q][m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[q][m][1], off)), s1, acc[q][m][1]);
+        acc[q][m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[0][q][m][0], off)), s0, acc[q][m][0]);
+        acc[q][m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[0][q][m][1], off)), s1, acc[q][m][1]);
       }
     }
   }
@@ -1304,6 +1319,19 @@ torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& pack
       return;
     }
     run_rows(M, 4, [&](int64_t r0, int rows) {
+      // One row: one panel's stream at a time (four concurrent streams per thread read slower
+      // than one), its dot products split over four integer accumulators per half (exact, so
+      // bitwise the blocked path) to keep eight vpdpbusd chains in flight: 1.19-1.27x on the
+      // 0.5B's layers (results/kernels/linear_revision_one_stream.log).
+      if (rows == 1 && group % 16 == 0) {
+        for (int q = 0; q < count; ++q) {
+          const int64_t p = pg + q;
+          int4_vnni_rows<1, 1, 4>(qp + r0 * K, K, xs + r0 * ldxs, ldxs, sp + r0, wp + p * pstride, pstride, K, group,
+                                  scp + p * sstride, sstride, bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N,
+                                  pass_ncols(N, p, 1));
+        }
+        return;
+      }
       with_rows<4>(rows, [&](auto r) {
         constexpr int MR = decltype(r)::value;
         panel_passes<MR>(count, [&](int q, auto pp) {
