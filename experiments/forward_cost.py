@@ -15,7 +15,8 @@ softmax-weighted sum over the cache), the MLP, the LM head and everything else (
 norms, framework), with forward hooks (they add a little overhead of their own).
 
 The roofline (``--roofline``, on by default) measures this machine's memory read bandwidth (a
-sum over 1 GiB) and its arithmetic peak (the faster of fp32 sgemm at 2048^3 and FBGEMM's
+sum over 1 GiB, once per repeat between the forwards: the host's bandwidth drifts, and a floor
+of another moment than the forwards would misstate their ratio to it) and its arithmetic peak (the faster of fp32 sgemm at 2048^3 and FBGEMM's
 fp16-weight GEMM at 512 rows), counts the model's linear weights, and prints the floor
 ``theory.forward_floor_s`` for every k (16-bit weights read once, arithmetic at the measured
 peak, the two overlapped; and the sum of the two, a kernel that does not overlap them), each
@@ -41,7 +42,7 @@ import transformers
 from cascade import load_model
 from cascade.models.lean import FusedLayer, LeanDecoder
 from cascade.theory import forward_floor_s
-from cascade.timing import median_s, read_bandwidth
+from cascade.timing import median_s
 
 
 def peak_flops(repeats: int = 5) -> dict[str, float]:
@@ -68,24 +69,34 @@ def linear_params(lm) -> int:
     return total
 
 
-def forward_times(lms: dict, ks, repeats: int) -> dict[str, dict[int, float]]:
-    """Median seconds of a k-token forward on a 200-token cache, for every backend and k, the
-    backends interleaved (every backend's forward at k before the next repeat), so that the
-    shared machine's drifts in memory bandwidth hit all backends alike."""
+def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[dict[str, dict[int, float]], float | None]:
+    """Median seconds of a k-token forward on a 200-token cache, for every backend and k, both
+    interleaved (each repeat runs every k on every backend), so that the shared machine's drifts
+    in memory bandwidth hit all backends and all k alike (the ratios to k = 1 are within a repeat's
+    span, not across the run's). ``probe_gib`` > 0: the read probe (a sum over that many GiB of
+    fp32) runs once per repeat between the forwards, and its median bandwidth (bytes/s) is returned
+    beside the times, so that the roofline's floor is of the same moments as the forwards."""
     caches, bases = {}, {}
     for name, lm in lms.items():
         caches[name] = lm.new_cache()
         lm.forward([t % lm.vocab_size for t in range(100, 300)], caches[name], keep_last=1)
         bases[name] = lm.cache_len(caches[name])
     samples = {name: {k: [] for k in ks} for name in lms}
-    for k in ks:
-        for _ in range(repeats + 1):  # the first round is a warm-up
+    probe = torch.ones(int(probe_gib * (1 << 30)) // 4) if probe_gib > 0 else None
+    probe_s = []
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        if probe is not None:
+            t0 = time.perf_counter()
+            probe.sum()
+            probe_s.append(time.perf_counter() - t0)
+        for k in ks:
             for name, lm in lms.items():
                 t0 = time.perf_counter()
                 lm.forward(list(range(1, k + 1)), caches[name])
                 samples[name][k].append(time.perf_counter() - t0)
                 lm.crop(caches[name], bases[name])
-    return {name: {k: statistics.median(v[1:]) for k, v in by_k.items()} for name, by_k in samples.items()}
+    times = {name: {k: statistics.median(v[1:]) for k, v in by_k.items()} for name, by_k in samples.items()}
+    return times, (probe.numel() * 4 / statistics.median(probe_s[1:]) if probe is not None else None)
 
 
 def prefill_time(lm, n: int, repeats: int) -> float:
@@ -215,7 +226,7 @@ def main() -> None:
     params = linear_params(first)
     head = first.model.get_output_embeddings()
     head_params = head.in_features * head.out_features
-    all_times = forward_times(lms, ks, args.repeats)
+    all_times, bandwidth = forward_times(lms, ks, args.repeats, probe_gib=1.0 if args.roofline else 0.0)
     for name, times in all_times.items():
         print(f"{name:12s} " + " ".join(f"{1000 * times[k]:7.0f} ({times[k] / times[1]:4.2f})" for k in ks), flush=True)
     for name, lm in lms.items():
@@ -223,7 +234,7 @@ def main() -> None:
         if args.prefill:
             prefill[name] = prefill_time(lm, args.prefill, max(1, args.repeats // 2))
     if args.roofline:
-        print_roofline(ks, all_times, params, prefill, args.prefill, head_params)
+        print_roofline(ks, all_times, bandwidth, params, prefill, args.prefill, head_params)
     keys = ["attn_proj", "attn_core", "mlp", "lm_head", "other", "total"]
     print("\nms per forward by component (hooks add some overhead; other = embedding, norms, framework; on the lean"
           " forward (native backends) attn_core is the attention kernel alone and mlp the three linears, RoPE,"
@@ -241,13 +252,13 @@ BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatc
 EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native", "native_ops", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
 
 
-def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], params: int, prefill: dict[str, float],
-                   prefill_tokens: int, head_params: int) -> None:
-    bandwidth, peaks = read_bandwidth(), peak_flops()
+def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], bandwidth: float, params: int,
+                   prefill: dict[str, float], prefill_tokens: int, head_params: int) -> None:
+    peaks = peak_flops()
     peak = max(peaks.values())
     weight_bytes, flops = 2 * params, 2 * params  # 16-bit weights; a multiply-add per weight and token
     floor = {k: forward_floor_s(k, weight_bytes, flops, bandwidth, peak) for k in ks}
-    print(f"\nroofline: read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 1 GiB); peak "
+    print(f"\nroofline: read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 1 GiB, once per repeat between the forwards); peak "
           + ", ".join(f"{name} {f / 1e9:.0f}" for name, f in peaks.items()) + " GFLOP/s")
     print(f"{params / 1e9:.3f} G linear weights: {weight_bytes / 1e9:.2f} GB in 16 bits, {flops / 1e9:.2f} GFLOP per token; "
           f"bandwidth-bound up to k = {weight_bytes / bandwidth * peak / flops:.1f}")
