@@ -221,6 +221,30 @@ def test_int4_vnni_kernel_is_its_integer_sums(n):
     assert (module(x).double() - exact).norm() / exact.norm() < 0.03
 
 
+@pytest.mark.parametrize("group", [64, 16, 8, 4])
+def test_int4_vnni_one_row_is_the_blocked_rows(group):
+    """A one-row call runs its own schedule (one panel at a time, the group's integer sums split
+    over four accumulators, where the group holds a multiple of 16 k; the blocked path for other
+    groups): each row of an 11-row call is bitwise that row alone, and both are the exact integer
+    group sums recomputed here, for groups the split divides and groups it does not."""
+    if _needs("int4_vnni"):
+        pytest.skip(_needs("int4_vnni"))
+    k, n = 256, 70
+    lin = _fp16_linear(k, n, bias=True, seed=12)
+    module = NativeInt4VNNILinear(lin, group=group)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(13))
+    together = module(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(module(x[i : i + 1]), together[i : i + 1]), f"row {i}"
+    sx = x.abs().amax(1) / 127
+    xq = torch.round(x * (1 / sx)[:, None]).clamp(-127, 127).to(torch.int64)  # [M, K]
+    w_int = (unpack_int4_vnni(module.packed, n).to(torch.int64) - 8).reshape(n, k // group, group)
+    sums = torch.einsum("mgk,ngk->mng", xq.reshape(11, k // group, group), w_int).double()  # [M, N, G] exact
+    scale = module.scales.permute(0, 2, 1).reshape(-1, k // group)[:n].double()  # [N, G]
+    ref = (sums * scale).sum(-1) * sx.double()[:, None] + lin.bias.double()
+    assert ((module(x[:1]).double() - ref[:1]).abs() <= 1e-5 * ref[:1].abs() + 1e-5).all()
+
+
 def test_int4_refuses_k_off_the_group():
     with pytest.raises(ValueError, match="divisible by 64"):
         NativeInt4Linear(nn.Linear(100, 32))
