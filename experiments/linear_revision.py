@@ -40,13 +40,8 @@ def panel_bytes(linear: native.NativeLinear) -> int:
 
 
 def ops_of(ext, linears: list[native.NativeLinear]) -> list:
-    """The layers as ``ext``'s LinearOps (``NativeLinear.op`` builds them on the loaded extension)."""
-    saved = native._ext
-    native._ext = lambda: ext
-    try:
-        return [m.op() for m in linears]
-    finally:
-        native._ext = saved
+    """The layers as ``ext``'s LinearOps, over the layers' own tensors."""
+    return [ext.LinearOp(**m.op_fields()) for m in linears]
 
 
 def main() -> None:

@@ -187,15 +187,18 @@ class NativeLinear(nn.Module):
     KIND: int  # the extension's LinearOp kind
     PANEL_TENSORS: dict[str, str]  # LinearOp argument -> this module's tensor laid out by panels ([P, ...] / [P * 32])
 
+    def op_fields(self) -> dict:
+        """The ``LinearOp`` constructor's arguments for this layer (its kind, tensors, N, bias, group)."""
+        fields = {arg: getattr(self, attr) for arg, attr in self.PANEL_TENSORS.items()}
+        fields.update(kind=self.KIND, N=self.out_features, bias=self.bias, group=getattr(self, "group", 0))
+        return fields
+
     def op(self, **side_by_side):
         """This layer as the extension's ``LinearOp`` (the same kernel and tensors as
         ``_matmul``), for the lean forward's two-call layer; made on demand, not held, so that
         modules still deep-copy. ``side_by_side``: the op's tensors, ``N`` and ``bias`` replaced
         (:func:`side_by_side` passes several layers' joined)."""
-        fields = {arg: getattr(self, attr) for arg, attr in self.PANEL_TENSORS.items()}
-        fields.update(N=self.out_features, bias=self.bias, group=getattr(self, "group", 0))
-        fields.update(side_by_side)
-        return _ext().LinearOp(kind=self.KIND, **fields)
+        return _ext().LinearOp(**{**self.op_fields(), **side_by_side})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1:  # the lean forward's rows: no reshaping
