@@ -21,8 +21,19 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+class ReadProbe:
+    """The memory-read probe: a sum over ``gib`` GiB of fp32 (far larger than any cache), on the
+    threads torch is set to use. ``read()`` runs it once; ``nbytes`` is what one read streams."""
+
+    def __init__(self, gib: float = 1.0) -> None:
+        self.x = torch.ones(int(gib * (1 << 30)) // 4)
+        self.nbytes = self.x.numel() * 4
+
+    def read(self) -> None:
+        self.x.sum()
+
+
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second this machine reads from memory: a sum over ``gib`` GiB of fp32 (far
-    larger than any cache), on the threads torch is set to use (forward_cost's roofline)."""
-    x = torch.ones(int(gib * (1 << 30)) // 4)
-    return x.numel() * 4 / median_s(lambda: x.sum(), repeats)
+    """Bytes per second this machine reads from memory (the median of ``repeats`` probe reads)."""
+    probe = ReadProbe(gib)
+    return probe.nbytes / median_s(probe.read, repeats)

@@ -42,7 +42,7 @@ import transformers
 from cascade import load_model
 from cascade.models.lean import FusedLayer, LeanDecoder
 from cascade.theory import forward_floor_s
-from cascade.timing import median_s
+from cascade.timing import ReadProbe, median_s
 
 
 def peak_flops(repeats: int = 5) -> dict[str, float]:
@@ -82,12 +82,12 @@ def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[
         lm.forward([t % lm.vocab_size for t in range(100, 300)], caches[name], keep_last=1)
         bases[name] = lm.cache_len(caches[name])
     samples = {name: {k: [] for k in ks} for name in lms}
-    probe = torch.ones(int(probe_gib * (1 << 30)) // 4) if probe_gib > 0 else None
+    probe = ReadProbe(probe_gib) if probe_gib > 0 else None
     probe_s = []
     for _ in range(repeats + 1):  # the first round is a warm-up
         if probe is not None:
             t0 = time.perf_counter()
-            probe.sum()
+            probe.read()
             probe_s.append(time.perf_counter() - t0)
         for k in ks:
             for name, lm in lms.items():
@@ -96,7 +96,7 @@ def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[
                 samples[name][k].append(time.perf_counter() - t0)
                 lm.crop(caches[name], bases[name])
     times = {name: {k: statistics.median(v[1:]) for k, v in by_k.items()} for name, by_k in samples.items()}
-    return times, (probe.numel() * 4 / statistics.median(probe_s[1:]) if probe is not None else None)
+    return times, (probe.nbytes / statistics.median(probe_s[1:]) if probe is not None else None)
 
 
 def prefill_time(lm, n: int, repeats: int) -> float:
