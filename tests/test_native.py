@@ -157,6 +157,31 @@ def test_rope_is_bitwise_transformers_rotary():
     assert torch.equal(native_kernels().rope(q, cos[:, None], sin[:, None]), ref)
 
 
+def test_native_rms_norm_is_bitwise_atens_sum_order():
+    """The native RMSNorm reproduces ATen's cascade sum: bitwise transformers' Qwen2 RMSNorm at
+    every width 1..300 (the scalar path, one to many vectors, tails) and the models' widths
+    (896 .. 20000, where the partial-sum levels fold), 1-7 rows; the other vector width is
+    wrong somewhere (the order is what the test checks, not a tolerance)."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    from cascade.models.native import norm_lanes
+
+    lanes = norm_lanes()
+    assert lanes in (8, 16)  # found on this machine; 0 would mean the norms run ATen's ops
+    ext = native_kernels()
+    gen = torch.Generator().manual_seed(6)
+    other_differs = False
+    for width in [*range(1, 301), 511, 896, 1536, 3584, 8192, 20000]:
+        norm = Qwen2RMSNorm(width, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width, generator=gen))
+        x = torch.randn(1 + width % 7, width, generator=gen) * 3
+        with torch.inference_mode():
+            assert torch.equal(ext.rms_norm(x, norm.weight, 1e-6, lanes), norm(x)), width
+            other_differs |= not torch.equal(ext.rms_norm(x, norm.weight, 1e-6, 24 - lanes), norm(x))
+    assert other_differs
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_kernels_multiply_their_dequantized_weights(kind):
     k, n = (256, 70)
@@ -328,7 +353,7 @@ def test_tiny_model_runs_the_lean_forward(tiny_native):
     assert all(isinstance(layer, FusedLayer) for layer in tiny_native.lean.layers)  # two native calls per layer
     # gate / up (64 columns each) joined; q / k / v not (k's 16 columns are not whole panels): the
     # per-layer ops concatenated instead (the joined path: test_fused_layers_are_bitwise_the_per_op_layers)
-    assert all(len(layer.qkv) == 3 and len(layer.rest[3]) == 1 for layer in tiny_native.lean.layers)
+    assert all(len(layer.qkv) == 3 and len(layer.gate_up) == 1 for layer in tiny_native.lean.layers)
     assert tiny_native.model.config._attn_implementation == "cascade_native"
 
 
@@ -347,7 +372,7 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
     lm = base if quantize is None else quantized_copy(base, quantize)
     fused, ops = lm.lean, LeanDecoder(lm.model, fused_layers=False)
     assert all(isinstance(layer, FusedLayer) for layer in fused.layers)
-    assert all(len(layer.qkv) == 1 and len(layer.rest[3]) == 1 for layer in fused.layers)  # joined projections
+    assert all(len(layer.qkv) == 1 and len(layer.gate_up) == 1 for layer in fused.layers)  # joined projections
     assert all(isinstance(layer, OpsLayer) for layer in ops.layers)
 
     def run():
@@ -431,6 +456,28 @@ def test_lean_forward_is_bitwise_transformers_forward(tiny_native):
         assert torch.equal(a, b)
 
 
+def test_lean_forward_on_a_transformers_cache_is_bitwise_the_preallocated_one(tiny_native):
+    """The one-call layer writes keys and values into cascade's preallocated cache; on any other
+    cache layer (transformers' own DynamicCache) it runs around the layer's update instead: the
+    same logits bit for bit, chain and tree, and the same cache contents."""
+    from transformers import DynamicCache
+
+    from cascade.tree import tree_mask, tree_positions
+
+    def run(cache):
+        first = tiny_native.forward(list(range(3, 40)), cache)
+        past = tiny_native.cache_len(cache)
+        parents = [-1, 0, 0, 1]
+        tree = tiny_native.forward([4, 8, 12, 16, 20], cache, position_ids=tree_positions(parents, past),  # [root] + nodes
+                                   attention_mask=tree_mask(parents, past))
+        return first, tree, cache.layers[-1].keys, cache.layers[-1].values
+
+    plain = DynamicCache()
+    assert not isinstance(plain.layers[0] if plain.layers else None, type(tiny_native.new_cache().layers[0]))
+    for a, b in zip(run(tiny_native.new_cache()), run(plain)):
+        assert torch.equal(a, b)
+
+
 def test_pruned_head_on_the_native_backend(tiny_native):
     """FR-Spec's pruned LM head on a native model: the kept rows on the same kernel (bitwise the
     full head's logits there), -inf elsewhere, and the pruned model keeps the lean forward."""
@@ -465,7 +512,8 @@ def test_k_token_forward_is_k_single_steps_bitwise(tiny_native):
 def test_cache_grows_crops_and_compacts_like_transformers():
     from transformers.cache_utils import DynamicLayer
 
-    from cascade.models.lm import INITIAL_CAPACITY, CausalLM, PreallocatedLayer
+    from cascade.models.kv_cache import INITIAL_CAPACITY, PreallocatedLayer
+    from cascade.models.lm import CausalLM
 
     gen = torch.Generator().manual_seed(4)
     pre, dyn = PreallocatedLayer(), DynamicLayer()

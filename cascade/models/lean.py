@@ -6,15 +6,17 @@ What it removes is the framework's per-op work around the kernels, which dominat
 model's token on these CPUs (the int8 0.5B drafter: ~5 ms of ~20 per token): no mask building,
 no per-layer keyword plumbing or output records, no ``generate``-oriented checks; per layer the
 model's own linears, the native attention, and one native call each for the two RMSNorms, the
-rotary embedding of q and of k and the gated activation (the same ATen operations in the same
-order as transformers', so bitwise the same: checked once per model for the norms, which fall
-back to the model's modules otherwise), and where both norms are fused the whole layer as two
-native calls around the cache update (:class:`FusedLayer`). The logits are bitwise those of the
-transformers forward with the same kernels (tested).
+rotary embedding of q and of k and the gated activation (the RMSNorm a loop in ATen's own order
+of operations, the others the same ATen operations in the same order as transformers', so
+bitwise the same: checked once per model for the norms, which fall back to the model's modules
+otherwise), and where both norms are fused the whole layer as one native call that writes this
+call's keys and values into the cache's reserved positions (:class:`FusedLayer`). The logits are
+bitwise those of the transformers forward with the same kernels (tested).
 
 It keeps what the loop relies on: explicit positions, a 4D additive attention mask (trees),
 hidden states after a layer or after the final norm (heads, adapters), and the cache: the
-model's own ``DynamicCache`` (its layers' ``update``), so crop and compaction are unchanged.
+model's own ``DynamicCache`` (its :class:`PreallocatedLayer` buffers written in place, any other
+layer through its ``update``), so crop and compaction are unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from cascade.models import native
 from cascade.models.direct import FINAL_HIDDEN, forward_outputs
+from cascade.models.kv_cache import PreallocatedLayer
 from cascade.models.native import NativeLinear, use_native_attention
 
 log = logging.getLogger(__name__)
@@ -57,13 +60,20 @@ def lean_unsupported(model: nn.Module) -> str | None:
 
 @dataclass(frozen=True, eq=False)
 class FusedNorm:
-    """transformers' RMSNorm as one native call (``weight * (x * rsqrt(mean(x^2) + eps))``)."""
+    """transformers' RMSNorm as one native call (``weight * (x * rsqrt(mean(x^2) + eps))``): a
+    loop in ATen's own order of operations where :func:`native.norm_lanes` found that order here,
+    else ATen's operations from C++."""
 
     weight: torch.Tensor
     eps: float
+    op: object  # the extension's NormOp
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, eps: float) -> "FusedNorm":
+        return cls(weight, eps, native.native_kernels().NormOp(weight, eps, native.norm_lanes()))
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return native.native_kernels().rms_norm(h, self.weight, self.eps)
+        return self.op(h)
 
 
 def _fused_norm(module: nn.Module) -> FusedNorm | nn.Module:
@@ -73,7 +83,7 @@ def _fused_norm(module: nn.Module) -> FusedNorm | nn.Module:
     weight = getattr(module, "weight", None)
     if eps is None or weight is None:
         return module
-    fused = FusedNorm(weight, float(eps))
+    fused = FusedNorm.of(weight, float(eps))
     x = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     with torch.inference_mode():
         if not torch.equal(fused(x), module(x)):
@@ -115,28 +125,36 @@ def _side_by_side(linears: list) -> list:
 
 
 class FusedLayer:
-    """The same layer as two native calls around the cache update (``layer_qkv``: norm,
-    projections, RoPE; ``layer_rest``: attention, o_proj, residual, norm, MLP, residual): the
-    same operations in the same order, so bitwise :class:`OpsLayer`, without the interpreter's
-    work between them. q / k / v and gate / up run as one joined op each where
-    :func:`native.side_by_side` can join them (their weights then live in one buffer per layer,
-    the modules holding views). Needs both norms fused."""
+    """The same layer as one native call (``layer_step``: norm, projections, RoPE, this call's
+    keys and values written into the cache's reserved positions, attention, o_proj, residual,
+    norm, MLP, residual) on a cache of :class:`PreallocatedLayer`; around any other cache layer's
+    ``update``, two calls (``layer_qkv``, ``layer_rest``). The same operations in the same order,
+    so bitwise :class:`OpsLayer`, without the interpreter's work between them. q / k / v and
+    gate / up run as one joined op each where :func:`native.side_by_side` can join them (their
+    weights then live in one buffer per layer, the modules holding views). Needs both norms
+    fused."""
 
     def __init__(self, layer: nn.Module, in_norm: FusedNorm, post_norm: FusedNorm, head_dim: int, scaling: float) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = _side_by_side([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.widths = (attn.q_proj.out_features, attn.k_proj.out_features)  # q's and k's columns of qkv
-        self.rest = (attn.o_proj.op(), post_norm.weight, post_norm.eps, _side_by_side([mlp.gate_proj, mlp.up_proj]),
-                     mlp.down_proj.op())
-        self.in_norm, self.head_dim, self.scaling = in_norm, head_dim, scaling
+        self.gate_up = _side_by_side([mlp.gate_proj, mlp.up_proj])
         self.kernels = native.native_kernels()
+        self.ops = self.kernels.LayerOps(
+            in_norm=in_norm.op, qkv=self.qkv, nq=attn.q_proj.out_features, nk=attn.k_proj.out_features,
+            head_dim=head_dim, o_proj=attn.o_proj.op(), post_norm=post_norm.op, gate_up=self.gate_up,
+            down_proj=mlp.down_proj.op(), scaling=scaling)
+        kv_heads = attn.k_proj.out_features // head_dim
+        self.kv_like = torch.empty(1, kv_heads, 0, head_dim)  # the cache buffers' shape [1, Hkv, *, D] and dtype
 
     def __call__(self, h: torch.Tensor, index: int, cos: torch.Tensor, sin: torch.Tensor, cache,
                  mask: torch.Tensor | None) -> torch.Tensor:  # h [n, E] -> [n, E]
-        q, k, v = self.kernels.layer_qkv(h, self.in_norm.weight, self.in_norm.eps, self.qkv, *self.widths, cos, sin,
-                                         self.head_dim)
+        layer_cache = cache.layers[index] if index < len(cache.layers) else None
+        if isinstance(layer_cache, PreallocatedLayer):
+            k_buf, v_buf, start = layer_cache.reserve(self.kv_like, h.shape[0])  # [1, Hkv, capacity, D]
+            return self.kernels.layer_step(h, self.ops, k_buf, v_buf, start, cos, sin, mask)
+        q, k, v = self.kernels.layer_qkv(h, self.ops, cos, sin)
         keys, values = cache.update(k, v, index)  # [1, Hkv, L, D]
-        return self.kernels.layer_rest(h, q, keys, values, mask, self.scaling, *self.rest)
+        return self.kernels.layer_rest(h, q, keys, values, mask, self.ops)
 
 
 class LeanDecoder:

@@ -372,6 +372,38 @@ def side_by_side(linears: list[NativeLinear]):
     return first.op(N=sum(m.out_features for m in linears), **joined)
 
 
+# Sizes the probe of ATen's sum order runs: shorter than a vector (its scalar path), one to a few
+# vectors with and without a tail, and the widths of the models' norms.
+_NORM_PROBE_WIDTHS = (5, 8, 12, 16, 24, 40, 64, 100, 896, 1536, 2048, 3584)
+
+
+def aten_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama / Qwen2 RMSNorm as ATen's operations (the reference the native norm
+    reproduces)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def norm_lanes() -> int:
+    """The vector width (8 or 16 lanes) at which the native RMSNorm reproduces ATen's fp32 sum
+    bitwise on this machine and torch build (ATen's sum kernel runs at the width of the kernels it
+    dispatches to, which need not be the widest the CPU has), found once by trying both on random
+    rows of several widths; 0 where neither does (the norm then runs ATen's operations)."""
+    if "norm_lanes" not in _state:
+        ext, lanes = _ext(), 0
+        if ext is not None:
+            gen = torch.Generator().manual_seed(0)
+            probes = [(torch.randn(3, e, generator=gen) * 3, torch.randn(e, generator=gen)) for e in _NORM_PROBE_WIDTHS]
+            with torch.inference_mode():
+                lanes = next((w for w in (8, 16) if all(torch.equal(ext.rms_norm(x, wt, 1e-6, w), aten_rms_norm(x, wt, 1e-6))
+                                                        for x, wt in probes)), 0)
+        if lanes == 0:
+            log.info("the native RMSNorm does not reproduce ATen's sum here: the norms run ATen's operations")
+        _state["norm_lanes"] = lanes
+    return _state["norm_lanes"]  # type: ignore[return-value]
+
+
 ATTENTION = "cascade_native"  # the name the attention function is registered under in transformers
 
 

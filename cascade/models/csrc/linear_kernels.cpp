@@ -1353,26 +1353,143 @@ torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& pack
 // per model and otherwise calls the modules): what this saves is the interpreter's work between
 // the operations.
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  auto h = x.to(torch::kFloat32);
-  auto variance = h.pow(2).mean(-1, true);
-  h = h * torch::rsqrt(variance + eps);
-  return weight * h.to(x.scalar_type());
+// ATen's fp32 sum over a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp, cascade_sum on
+// an inner reduction), reproduced operation for operation so that the sum of squares below is
+// bitwise ATen's: the row read as vectors of W lanes (W = Vectorized<float>::size() of the
+// kernels ATen dispatches to: 16 on AVX-512, 8 otherwise); the vectors summed four interleaved
+// accumulators at a time, each through four levels of partial sums (level l folds into l + 1
+// every 2^p items, p = max(4, ceil_log2(items) / 4)); leftover vectors into accumulator 0; the
+// four accumulators summed in order; then a scalar sum of the elements past the last whole
+// vector, plus the W lanes in order. A row shorter than W takes ATen's scalar path: the same
+// scheme with one lane and no lane sum. Every step is a plain fp32 addition (no contraction:
+// -ffp-contract=off), so the compiler may vectorize the lane loops without changing a bit.
+
+int64_t aten_ceil_log2(int64_t x) {  // ATen's utils::CeilLog2
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t v = static_cast<uint64_t>(x) - 1; v != 0; v >>= 1) ++bits;
+  return bits;
+}
+
+// multi_row_sum + row_sum: sum of `items` groups of 4 W-lane vectors, vector j of item i at
+// load(4 * i + j); out[W] = the row's W-lane partial sum.
+template <int W, typename Load>
+void cascade_lanes(int64_t vectors, Load&& load, float* out) {
+  constexpr int levels = 4, ilp = 4;
+  const int64_t items = vectors / ilp;
+  const int64_t power = std::max<int64_t>(4, aten_ceil_log2(items) / levels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  float acc[levels][ilp][W] = {};
+  float v[W];
+  auto add_item = [&](int64_t i) {
+    for (int j = 0; j < ilp; ++j) {
+      load(ilp * i + j, v);
+      for (int l = 0; l < W; ++l) acc[0][j][l] += v[l];
+    }
+  };
+  int64_t i = 0;
+  while (i + step <= items) {
+    for (int64_t s = 0; s < step; ++s, ++i) add_item(i);
+    for (int lv = 1; lv < levels; ++lv) {
+      for (int j = 0; j < ilp; ++j)
+        for (int l = 0; l < W; ++l) {
+          acc[lv][j][l] += acc[lv - 1][j][l];
+          acc[lv - 1][j][l] = 0.0f;
+        }
+      if ((i & (mask << (lv * power))) != 0) break;
+    }
+  }
+  for (; i < items; ++i) add_item(i);
+  for (int lv = 1; lv < levels; ++lv)
+    for (int j = 0; j < ilp; ++j)
+      for (int l = 0; l < W; ++l) acc[0][j][l] += acc[lv][j][l];
+  for (int64_t r = items * ilp; r < vectors; ++r) {  // leftover vectors
+    load(r, v);
+    for (int l = 0; l < W; ++l) acc[0][0][l] += v[l];
+  }
+  for (int j = 1; j < ilp; ++j)
+    for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][j][l];
+  for (int l = 0; l < W; ++l) out[l] = acc[0][0][l];
+}
+
+// sum of x[k]^2 over a contiguous row of E, in ATen's order (x.pow(2) is x * x, exactly rounded)
+template <int W>
+float aten_sum_of_squares(const float* x, int64_t E) {
+  if (E < W) {  // ATen's scalar_inner_sum
+    float s;
+    cascade_lanes<1>(E, [&](int64_t r, float* v) { v[0] = x[r] * x[r]; }, &s);
+    return s;
+  }
+  const int64_t vectors = E / W;
+  float lanes[W];
+  cascade_lanes<W>(vectors, [&](int64_t r, float* v) {
+    for (int l = 0; l < W; ++l) v[l] = x[r * W + l] * x[r * W + l];
+  }, lanes);
+  float total = 0.0f;
+  for (int64_t k = vectors * W; k < E; ++k) total += x[k] * x[k];
+  for (int l = 0; l < W; ++l) total += lanes[l];
+  return total;
+}
+
+// transformers' Llama / Qwen2 RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) with the fp32
+// weight and input it runs on. `lanes` 16 or 8: ATen's vector width (the Python side reads
+// torch's dispatch capability, and the lean forward checks the result bitwise against the
+// module once per model); 0: ATen's own operations (any dtype). The native loop reproduces
+// ATen's: mean is the cascade sum divided by E; `+ eps` adds the fp32-rounded eps; rsqrt is
+// 1 / sqrt (both correctly rounded, as ATen's vector and scalar rsqrt); then two products.
+struct NormOp {
+  torch::Tensor weight;  // [E]
+  double eps;
+  int64_t lanes;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {  // [n, E] -> [n, E]
+    const bool native = (lanes == 8 || lanes == 16) && x.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
+                        weight.scalar_type() == torch::kFloat32 && x.size(1) == weight.numel() &&
+                        x.size(1) < 32768;  // ATen splits a longer single row over threads (another order)
+    if (!native) {
+      auto h = x.to(torch::kFloat32);
+      auto variance = h.pow(2).mean(-1, true);
+      h = h * torch::rsqrt(variance + eps);
+      return weight * h.to(x.scalar_type());
+    }
+    auto xc = x.contiguous();
+    auto wc = weight.contiguous();
+    const int64_t n = xc.size(0), E = xc.size(1);
+    auto out = torch::empty({n, E}, xc.options());
+    const float* xp = xc.data_ptr<float>();
+    const float* wp = wc.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float feps = static_cast<float>(eps), fE = static_cast<float>(E);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* xi = xp + i * E;
+      const float sum = lanes == 16 ? aten_sum_of_squares<16>(xi, E) : aten_sum_of_squares<8>(xi, E);
+      const float r = 1.0f / std::sqrt(sum / fE + feps);
+      float* oi = op + i * E;
+      for (int64_t e = 0; e < E; ++e) oi[e] = wp[e] * (xi[e] * r);
+    }
+    return out;
+  }
+};
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, int64_t lanes) {
+  return NormOp{weight, eps, lanes}(x);
 }
 
 // transformers' apply_rotary_pos_emb for one of q / k: (x * cos) + (rotate_half(x) * sin),
 // rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). Each output element is the same three
 // roundings as ATen's three elementwise operations (a product, a product, their sum; negation is
 // exact), so one loop gives their result bit for bit without a dispatch per operation.
-// x [1, H, n, D] (any strides, unit along D), cos / sin [1, 1, n, D] -> [1, H, n, D] contiguous.
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+// x [1, H, n, D] (any strides, unit along D), cos / sin [1, 1, n, D] -> out [1, H, n, D] (any
+// strides, unit along D: a fresh tensor, or the cache's slots for this call's keys).
+void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
   TORCH_CHECK(x.dim() == 4 && x.size(0) == 1 && x.scalar_type() == torch::kFloat32 && x.stride(3) == 1,
               "rope: x must be [1, H, n, D] fp32 with unit stride along D");
   const int64_t H = x.size(1), n = x.size(2), D = x.size(3), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "rope: D must be even");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == torch::kFloat32 && out.stride(3) == 1,
+              "rope: out must be fp32 shaped like x with unit stride along D");
   auto c = cos.expand({1, 1, n, D}).contiguous(), s = sin.expand({1, 1, n, D}).contiguous();
   TORCH_CHECK(c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32, "rope: cos / sin must be fp32");
-  auto out = torch::empty({1, H, n, D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
@@ -1382,7 +1499,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
       const float* xi = xp + h * x.stride(1) + i * x.stride(2);
       const float* ci = cp + i * D;
       const float* si = sp + i * D;
-      float* oi = op + (h * n + i) * D;
+      float* oi = op + h * out.stride(1) + i * out.stride(2);
       for (int64_t d = 0; d < half; ++d) {
         const float a = xi[d] * ci[d], b = -xi[d + half] * si[d];
         oi[d] = a + b;
@@ -1392,17 +1509,47 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
         oi[d] = a + b;
       }
     }
+}
+
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  auto out = torch::empty(x.sizes(), x.options());
+  rope_into(x, cos, sin, out);
   return out;
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) { return torch::silu(gate) * up; }
+// silu(gate) * up: ATen's silu (its vectorized exp; the lean forward needs its bits), then the
+// product as one loop (one rounding, as ATen's mul). gate [n, I] is made contiguous first, as
+// the separate projection's output is (ATen's vector and scalar exp may differ in the last bit,
+// and its loop runs a contiguous tensor as one run). up [n, I], unit stride along I.
+torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.scalar_type() == torch::kFloat32 &&
+              up.scalar_type() == torch::kFloat32 && up.stride(1) == 1, "silu_mul: fp32 [n, I] gate and up");
+  auto out = torch::silu(gate.contiguous());  // [n, I], fresh
+  const int64_t n = out.size(0), I = out.size(1);
+  float* op = out.data_ptr<float>();
+  const float* up_p = up.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < I; ++j) op[i * I + j] *= up_p[i * up.stride(0) + j];
+  return out;
+}
 
-// ---- the lean forward's decoder layer in two calls ------------------------------------------
-// What a layer of the lean forward does between its cache update, as two calls: the Python
-// interpreter's work between ~20 small operations per layer was ~0.15-0.2 ms of a drafter's
-// layer (a third of the int4 0.5B's token). The same operations, in the same order, on the same
-// kernels as the per-op path (cascade/models/lean.py), so the results are bitwise the same
-// (tested against transformers' forward).
+// y += h in place (y fresh [n, E] from a linear; h [n, E]): the residual, h + y bit for bit.
+torch::Tensor add_residual(torch::Tensor y, const torch::Tensor& h) {
+  TORCH_CHECK(y.is_contiguous() && y.sizes() == h.sizes() && h.scalar_type() == y.scalar_type() &&
+              y.scalar_type() == torch::kFloat32, "add_residual: fp32 y, h of one shape, y contiguous");
+  auto hc = h.contiguous();
+  float* yp = y.data_ptr<float>();
+  const float* hp = hc.data_ptr<float>();
+  for (int64_t i = 0, count = y.numel(); i < count; ++i) yp[i] = hp[i] + yp[i];
+  return y;
+}
+
+// ---- the lean forward's decoder layer ------------------------------------------------------
+// What a layer of the lean forward does, as native calls: the Python interpreter's work between
+// ~20 small operations per layer was ~0.15-0.2 ms of a drafter's layer (a third of the int4
+// 0.5B's token). The same operations, in the same order, on the same kernels as the per-op path
+// (cascade/models/lean.py), so the results are bitwise the same (tested against transformers'
+// forward).
 
 // A native linear layer as these calls run it: which kernel, and the tensors it reads (shared
 // with the Python module that made it; nothing is copied).
@@ -1436,35 +1583,73 @@ torch::Tensor side_by_side(const std::vector<LinearOp>& ops, const torch::Tensor
   return torch::cat(parts, 1);
 }
 
-// h [n, E] -> q [1, H, n, D], k, v [1, Hkv, n, D]: the input norm, the projections (qkv: q, k, v
-// side by side, widths nq, nk, nv), RoPE on q and k.
-std::vector<torch::Tensor> layer_qkv(const torch::Tensor& h, const torch::Tensor& norm_weight, double eps,
-                                     const std::vector<LinearOp>& qkv, int64_t nq, int64_t nk, const torch::Tensor& cos,
-                                     const torch::Tensor& sin, int64_t head_dim) {
-  const int64_t n = h.size(0);
-  auto x = rms_norm(h, norm_weight, eps);
-  auto y = side_by_side(qkv, x);  // [n, nq + nk + nv]
-  auto q = y.narrow(1, 0, nq).view({1, n, -1, head_dim}).transpose(1, 2);
-  auto k = y.narrow(1, nq, nk).view({1, n, -1, head_dim}).transpose(1, 2);
-  auto v = y.narrow(1, nq + nk, y.size(1) - nq - nk).view({1, n, -1, head_dim}).transpose(1, 2);
-  return {rope(q, cos, sin), rope(k, cos, sin), v};
+// One decoder layer's operators (built once per layer in Python: cascade/models/lean.py).
+struct LayerOps {
+  NormOp in_norm;
+  std::vector<LinearOp> qkv;  // q, k, v side by side (widths nq, nk, the rest)
+  int64_t nq, nk, head_dim;
+  LinearOp o_proj;
+  NormOp post_norm;
+  std::vector<LinearOp> gate_up;  // gate, up side by side (equal widths)
+  LinearOp down_proj;
+  double scaling;
+};
+
+// h [n, E] -> q [1, H, n, D] (fresh) and the layer's keys and values for this call written into
+// k_out / v_out [1, Hkv, n, D]: the input norm, the projections, RoPE on q and k.
+torch::Tensor qkv_part(const torch::Tensor& h, const LayerOps& L, const torch::Tensor& cos, const torch::Tensor& sin,
+                       torch::Tensor& k_out, torch::Tensor& v_out) {
+  const int64_t n = h.size(0), D = L.head_dim;
+  auto y = side_by_side(L.qkv, L.in_norm(h));  // [n, nq + nk + nv]
+  auto q = y.narrow(1, 0, L.nq).view({1, n, -1, D}).transpose(1, 2);
+  auto k = y.narrow(1, L.nq, L.nk).view({1, n, -1, D}).transpose(1, 2);
+  auto v = y.narrow(1, L.nq + L.nk, y.size(1) - L.nq - L.nk).view({1, n, -1, D}).transpose(1, 2);
+  rope_into(k, cos, sin, k_out);
+  v_out.copy_(v);
+  return rope(q, cos, sin);
 }
 
-// The rest of the layer once the cache holds this call's keys: attention over keys / values
-// [1, Hkv, L, D], o_proj, the residual, the post-attention norm, the gated MLP, the residual.
-torch::Tensor layer_rest(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& keys,
-                         const torch::Tensor& values, const c10::optional<torch::Tensor>& mask, double scaling,
-                         const LinearOp& o_proj, const torch::Tensor& norm_weight, double eps,
-                         const std::vector<LinearOp>& gate_up, const LinearOp& down_proj) {
+// The rest of the layer once keys / values [1, Hkv, L, D] hold this call's: attention, o_proj,
+// the residual, the post-attention norm, the gated MLP, the residual.
+torch::Tensor rest_part(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& keys,
+                        const torch::Tensor& values, const c10::optional<torch::Tensor>& mask, const LayerOps& L) {
   const int64_t n = h.size(0);
-  auto out = attention(q, keys, values, mask, scaling);  // [1, n, H, D]
-  auto h1 = h + o_proj(out.reshape({n, -1}));
-  auto x = rms_norm(h1, norm_weight, eps);
-  auto y = side_by_side(gate_up, x);  // [n, 2 I]: gate, up
+  auto out = attention(q, keys, values, mask, L.scaling);  // [1, n, H, D]
+  auto h1 = add_residual(L.o_proj(out.reshape({n, -1})), h);
+  auto y = side_by_side(L.gate_up, L.post_norm(h1));  // [n, 2 I]: gate, up
   const int64_t inter = y.size(1) / 2;
-  // silu on a contiguous gate, as on the separate projection's output (ATen's vector and scalar
-  // exp may differ in the last bit, and its loop splits a contiguous tensor as one run)
-  return h1 + down_proj(silu_mul(y.narrow(1, 0, inter).contiguous(), y.narrow(1, inter, inter)));
+  return add_residual(L.down_proj(silu_mul(y.narrow(1, 0, inter), y.narrow(1, inter, inter))), h1);
+}
+
+// The layer around a cache update made in Python (a cache whose layers are not
+// cascade's preallocated buffers): [q, k, v] fresh, then rest_part.
+std::vector<torch::Tensor> layer_qkv(const torch::Tensor& h, const LayerOps& L, const torch::Tensor& cos,
+                                     const torch::Tensor& sin) {
+  const int64_t n = h.size(0), D = L.head_dim, kv_heads = L.nk / D;
+  auto k = torch::empty({1, kv_heads, n, D}, h.options());
+  auto v = torch::empty({1, kv_heads, n, D}, h.options());
+  auto q = qkv_part(h, L, cos, sin, k, v);
+  return {q, k, v};
+}
+
+torch::Tensor layer_rest(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& keys,
+                         const torch::Tensor& values, const c10::optional<torch::Tensor>& mask, const LayerOps& L) {
+  return rest_part(h, q, keys, values, mask, L);
+}
+
+// The whole layer as one call on a preallocated cache: this call's keys / values are written
+// straight into positions [start, start + n) of the buffers k_buf / v_buf [1, Hkv, capacity, D]
+// (reserved by the caller, cascade/models/kv_cache.py), and the attention reads positions
+// [0, start + n) of them. Bitwise layer_qkv + the cache's update + layer_rest.
+torch::Tensor layer_step(const torch::Tensor& h, const LayerOps& L, const torch::Tensor& k_buf, const torch::Tensor& v_buf,
+                         int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const c10::optional<torch::Tensor>& mask) {
+  const int64_t n = h.size(0);
+  TORCH_CHECK(k_buf.dim() == 4 && v_buf.sizes() == k_buf.sizes() && start >= 0 && start + n <= k_buf.size(2),
+              "layer_step: k_buf / v_buf [1, Hkv, capacity, D] with room for positions [start, start + n)");
+  auto k_out = k_buf.narrow(2, start, n), v_out = v_buf.narrow(2, start, n);
+  auto q = qkv_part(h, L, cos, sin, k_out, v_out);
+  return rest_part(h, q, k_buf.narrow(2, 0, start + n), v_buf.narrow(2, 0, start + n), mask, L);
 }
 
 std::string isa_name() {
@@ -1487,12 +1672,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("packed"), py::arg("scale") = py::none(), py::arg("colsum") = py::none(),
            py::arg("group") = 0, py::arg("N"), py::arg("bias") = py::none())
       .def("__call__", &LinearOp::operator(), py::arg("x"));
+  py::class_<NormOp>(m, "NormOp", "transformers' RMSNorm with its fp32 weight; lanes 16 / 8: ATen's sum order, 0: ATen's ops")
+      .def(py::init([](torch::Tensor weight, double eps, int64_t lanes) { return NormOp{weight, eps, lanes}; }),
+           py::arg("weight"), py::arg("eps"), py::arg("lanes"))
+      .def("__call__", &NormOp::operator(), py::arg("x"));
+  py::class_<LayerOps>(m, "LayerOps", "one decoder layer's norms and linear layers as layer_step runs them")
+      .def(py::init([](NormOp in_norm, std::vector<LinearOp> qkv, int64_t nq, int64_t nk, int64_t head_dim, LinearOp o_proj,
+                       NormOp post_norm, std::vector<LinearOp> gate_up, LinearOp down_proj, double scaling) {
+             return LayerOps{in_norm, qkv, nq, nk, head_dim, o_proj, post_norm, gate_up, down_proj, scaling};
+           }),
+           py::arg("in_norm"), py::arg("qkv"), py::arg("nq"), py::arg("nk"), py::arg("head_dim"), py::arg("o_proj"),
+           py::arg("post_norm"), py::arg("gate_up"), py::arg("down_proj"), py::arg("scaling"));
   m.def("layer_qkv", &layer_qkv, "input norm, q / k / v projections (side by side), RoPE on q and k: [q, k, v]",
-        py::arg("h"), py::arg("norm_weight"), py::arg("eps"), py::arg("qkv"), py::arg("nq"), py::arg("nk"), py::arg("cos"),
-        py::arg("sin"), py::arg("head_dim"));
+        py::arg("h"), py::arg("layer"), py::arg("cos"), py::arg("sin"));
   m.def("layer_rest", &layer_rest, "attention over the cache, o_proj, residual, post norm, gated MLP, residual",
-        py::arg("h"), py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("scaling"),
-        py::arg("o_proj"), py::arg("norm_weight"), py::arg("eps"), py::arg("gate_up"), py::arg("down_proj"));
+        py::arg("h"), py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("layer"));
+  m.def("layer_step", &layer_step, "the whole layer, this call's keys / values written into the cache buffers at start",
+        py::arg("h"), py::arg("layer"), py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("cos"),
+        py::arg("sin"), py::arg("mask"));
   m.def("isa", &isa_name, "the instruction set the kernels run on: avx512, avx2 or none");
   m.def("linear_fp16", &linear_fp16, "y = x @ W^T (+ bias), W packed fp16 [P, K, 32]", py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none());
@@ -1507,8 +1704,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("N"), py::arg("bias") = py::none());
   m.def("linear_int8_vnni", &linear_int8_vnni, "y = (xq @ Q^T) * sx * scale (+ bias), activations quantized per row",
         py::arg("x"), py::arg("packed"), py::arg("colsum"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
-  m.def("rms_norm", &rms_norm, "transformers' RMSNorm: weight * (x * rsqrt(mean(x^2) + eps))", py::arg("x"),
-        py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm", &rms_norm, "transformers' RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)); lanes 16 / 8: ATen's "
+        "vector width (bitwise its result), 0: ATen's operations", py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("lanes") = 0);
   m.def("rope", &rope, "x * cos + rotate_half(x) * sin", py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate"), py::arg("up"));
   m.def("linear_int4", &linear_int4, "y = x @ ((Q - 8) * s)^T (+ bias), Q packed int4 [P, K, 16]", py::arg("x"),
