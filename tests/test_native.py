@@ -407,6 +407,29 @@ def _both_paths(lm, fn):
     return a, b
 
 
+@pytest.mark.parametrize("H, Hkv, D", [(15, 1, 64), (14, 2, 64), (12, 2, 128), (7, 7, 100), (26, 1, 8), (4, 2, 24)])
+def test_attention_heads_are_computed_alone(H, Hkv, D):
+    """The heads of a key/value group share each value row's loads (blocks of heads, split
+    unevenly where the group does not divide): every head's output is still bitwise that head's
+    own one-head call, with and without a tree mask, over a strided cache view."""
+    gen = torch.Generator().manual_seed(H * 100 + D)
+    past, n = 37, 5
+    buf_k, buf_v = (torch.randn(1, Hkv, 64, D, generator=gen) for _ in range(2))
+    keys, values = buf_k[:, :, : past + n], buf_v[:, :, : past + n]
+    q = torch.randn(1, n, H, D, generator=gen).transpose(1, 2)  # [1, H, n, D]
+    mask = torch.zeros(1, 1, n, past + n)
+    mask[0, 0, :, past:] = torch.triu(torch.full((n, n), float("-inf")), 1)
+    mask[0, 0, 3, past + 1] = float("-inf")  # a tree: node 3 does not see node 1
+    for m in (None, mask):
+        out, _ = native_attention(_Attn(), q, keys, values, m)  # [1, n, H, D]
+        assert (out.double() - _reference_attention(q, keys, values, m, 0.125)).abs().max() < 1e-5
+        group = H // Hkv
+        for h in range(H):
+            g = h // group
+            one, _ = native_attention(_Attn(), q[:, h:h + 1], keys[:, g:g + 1], values[:, g:g + 1], m)
+            assert torch.equal(one[:, :, 0], out[:, :, h]), (h, m is None)
+
+
 def test_trained_modules_copied_from_a_native_target_keep_a_differentiable_attention(tiny_native):
     """The native attention has no backward: a draft head or exit adapter copied from a target on
     the native backend must run transformers' attention, or training would silently get no

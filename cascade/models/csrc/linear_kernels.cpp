@@ -663,7 +663,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
 // its output depends only on q and those keys: not on how many other queries share the call, nor
 // on where in the cache the visible keys lie (a tree node's path gives the same result as the
 // same tokens decoded one by one).
-// AVX-512 (attend_avx512): the visible keys are numbered 0..V-1 in order and taken 16 at a time;
+// AVX-512 (attend_weights_avx512, weighted_values_avx512): the visible keys are numbered 0..V-1 in order and taken 16 at a time;
 // key r's dot is an FMA chain over D in 16 lanes, then a fixed tree over the lanes
 // (reduce16_avx512) that leaves it in lane r % 16 of the block's score vector; the softmax's max
 // is exact; exp is vectorized (exp_avx512, Cephes' single-precision polynomial);
@@ -754,14 +754,15 @@ __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// One (query, head) over its V visible keys (key pointers kj[r], additive mask values add[r]):
-// out[D] = sum_r softmax(scale * q . k_r + add_r) v_r. DC = the number of 16-lane chunks of D
-// (<= 8: the accumulators stay in registers); the last chunk has the lanes of `tail`.
-// score: >= V rounded up to 16 floats of scratch.
+// One (query, head) over its V visible keys (key r at position pos[r] of the head's keys kb,
+// rows ks floats apart; additive mask values add[r]): the softmax's numerators
+// score[r] = e^(scale * q . k_r + add_r - max) (score: >= V rounded up to 16 floats) and their
+// sum, returned. DC = the number of 16-lane chunks of D (<= 8); the last chunk has the lanes of
+// `tail`.
 template <int DC>
-__attribute__((target("avx512f"))) void attend_avx512(const float* qi, const float* const* kj, const float* const* vj,
-                                                       const float* add, int64_t V, float scale, __mmask16 tail,
-                                                       float* score, float* oi) {
+__attribute__((target("avx512f"))) float attend_weights_avx512(const float* qi, const float* kb, int64_t ks,
+                                                                const int64_t* pos, const float* add, int64_t V,
+                                                                float scale, __mmask16 tail, float* score) {
   __m512 qv[DC];
   for (int c = 0; c < DC; ++c) qv[c] = _mm512_maskz_loadu_ps(c == DC - 1 ? tail : 0xFFFF, qi + 16 * c);
   // 1. scores, 16 keys per block
@@ -773,7 +774,7 @@ __attribute__((target("avx512f"))) void attend_avx512(const float* qi, const flo
       __m512 acc = _mm512_setzero_ps();
       if (c < count)
         for (int d = 0; d < DC; ++d)
-          acc = _mm512_fmadd_ps(qv[d], _mm512_maskz_loadu_ps(d == DC - 1 ? tail : 0xFFFF, kj[r0 + c] + 16 * d), acc);
+          acc = _mm512_fmadd_ps(qv[d], _mm512_maskz_loadu_ps(d == DC - 1 ? tail : 0xFFFF, kb + pos[r0 + c] * ks + 16 * d), acc);
       part[c] = acc;
     }
     const __mmask16 valid = static_cast<__mmask16>(count == 16 ? 0xFFFF : (1u << count) - 1);
@@ -796,17 +797,40 @@ __attribute__((target("avx512f"))) void attend_avx512(const float* qi, const flo
   one[0] = lanes;
   for (int c = 1; c < 16; ++c) one[c] = _mm512_setzero_ps();
   const float total = _mm_cvtss_f32(_mm512_castps512_ps128(reduce16_avx512(one)));  // lane 0: the lane sum
-  // 3. the weighted sum of values, keys in order
-  __m512 acc[DC];
-  for (int c = 0; c < DC; ++c) acc[c] = _mm512_setzero_ps();
+  return total;
+}
+
+// Heads whose weighted sums fit the 32 vector registers with a value row's DC chunks (at most 24).
+constexpr int heads_per_pass(int DC) { return (30 - DC) / DC < 24 ? (30 - DC) / DC : 24; }
+
+// Step 3 for `heads` (<= heads_per_pass(DC)) heads of one key/value group at once, each head's as in its own
+// call: out_h[D] = (sum_r score_h[r] v_r, over r in order) / total_h. Each value row is loaded
+// once for all the heads, whose sums are independent chains (one head's chain waits on the FMA's
+// latency at every key); every head's own operations and their order are unchanged.
+template <int DC>
+__attribute__((target("avx512f"))) void weighted_values_avx512(const float* vb, int64_t vs, const int64_t* pos,
+                                                                int64_t V, __mmask16 tail, int heads,
+                                                                const float* const* score, const float* total,
+                                                                float* const* out) {
+  constexpr int HB = heads_per_pass(DC);
+  __m512 acc[HB][DC];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < DC; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int64_t r = 0; r < V; ++r) {
-    const __m512 pb = _mm512_set1_ps(score[r]);
-    for (int c = 0; c < DC; ++c)
-      acc[c] = _mm512_fmadd_ps(pb, _mm512_maskz_loadu_ps(c == DC - 1 ? tail : 0xFFFF, vj[r] + 16 * c), acc[c]);
+    const float* vr = vb + pos[r] * vs;
+    __m512 vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = _mm512_maskz_loadu_ps(c == DC - 1 ? tail : 0xFFFF, vr + 16 * c);
+    for (int h = 0; h < HB; ++h) {
+      if (h >= heads) break;
+      const __m512 pb = _mm512_set1_ps(score[h][r]);
+      for (int c = 0; c < DC; ++c) acc[h][c] = _mm512_fmadd_ps(pb, vv[c], acc[h][c]);
+    }
   }
-  const __m512 tv = _mm512_set1_ps(total);
-  for (int c = 0; c < DC; ++c)
-    _mm512_mask_storeu_ps(oi + 16 * c, c == DC - 1 ? tail : 0xFFFF, _mm512_div_ps(acc[c], tv));
+  for (int h = 0; h < HB && h < heads; ++h) {
+    const __m512 tv = _mm512_set1_ps(total[h]);
+    for (int c = 0; c < DC; ++c)
+      _mm512_mask_storeu_ps(out[h] + 16 * c, c == DC - 1 ? tail : 0xFFFF, _mm512_div_ps(acc[h][c], tv));
+  }
 }
 
 template <typename Fn>
@@ -858,30 +882,54 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   // skipping it gives the same sums (a mask may write -inf or the dtype's lowest value)
   const float hidden = -std::numeric_limits<float>::max() / 2;
   const int64_t chunks = (D + 15) / 16;
-  if (wide && chunks <= 8) {  // D <= 128: attend_avx512
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), ks0 = k.stride(0), ks1 = k.stride(1),
+                ks2 = k.stride(2), vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  if (wide && chunks <= 8) {  // D <= 128: attend_weights_avx512, weighted_values_avx512
     const __mmask16 tail = static_cast<__mmask16>(D % 16 == 0 ? 0xFFFF : (1u << (D % 16)) - 1);
-    at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> score(L + 16), add(L + 16);
-      std::vector<const float*> kj(L), vj(L);
+    // the keys each query of each batch row may see, in order (the same for every head): their
+    // positions and mask values, row (b, i) at offset (b * n + i) * L
+    std::vector<int64_t> pos(B * n * L), visible(B * n);
+    std::vector<float> add(B * n * L + 16);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i) {
+        const float* mi = mp ? mp + b * ms_b + i * ms_i : nullptr;
+        const int64_t limit = mp ? L : L - n + i + 1;  // keys 0 .. limit-1 are candidates
+        int64_t* pi = pos.data() + (b * n + i) * L;
+        float* ai = add.data() + (b * n + i) * L;
+        int64_t V = 0;
+        for (int64_t j = 0; j < limit; ++j) {
+          const float m = mi ? mi[j * ms_j] : 0.0f;
+          if (m <= hidden) continue;
+          pi[V] = j;
+          ai[V++] = m;
+        }
+        visible[b * n + i] = V;
+      }
+    // tasks: blocks of up to heads_per_pass heads of one key/value group (weighted_values_avx512)
+    const int64_t most = heads_per_pass(static_cast<int>(chunks)), blocks = (group + most - 1) / most;
+    const int64_t per_block = (group + blocks - 1) / blocks;  // the group's heads split evenly
+    at::parallel_for(0, B * Hkv * blocks, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> score(per_block * (L + 16));
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / H, h = t % H, g = h / group;
-        const float* kb = kp + b * k.stride(0) + g * k.stride(1);
-        const float* vb = vp + b * v.stride(0) + g * v.stride(1);
+        const int64_t b = t / (Hkv * blocks), g = t / blocks % Hkv, h0 = g * group + t % blocks * per_block;
+        const int heads = static_cast<int>(std::min(per_block, (g + 1) * group - h0));
+        const float* kb = kp + b * ks0 + g * ks1;
+        const float* vb = vp + b * vs0 + g * vs1;
         for (int64_t i = 0; i < n; ++i) {
-          const float* mi = mp ? mp + b * ms_b + i * ms_i : nullptr;
-          const int64_t limit = mp ? L : L - n + i + 1;  // keys 0 .. limit-1 are candidates
-          int64_t V = 0;  // the visible keys, in order
-          for (int64_t j = 0; j < limit; ++j) {
-            const float m = mi ? mi[j * ms_j] : 0.0f;
-            if (m <= hidden) continue;
-            kj[V] = kb + j * k.stride(2);
-            vj[V] = vb + j * v.stride(2);
-            add[V++] = m;
-          }
+          const int64_t row = b * n + i;
+          const float* scores[24];
+          float totals[24];
+          float* outs[24];
           with_chunks(chunks, [&](auto dc) {
-            attend_avx512<decltype(dc)::value>(qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2), kj.data(),
-                                               vj.data(), add.data(), V, scale, tail, score.data(),
-                                               op + ((b * n + i) * H + h) * D);
+            constexpr int DC = decltype(dc)::value;
+            for (int j = 0; j < heads; ++j) {
+              float* sj = score.data() + j * (L + 16);
+              totals[j] = attend_weights_avx512<DC>(qp + b * qs0 + (h0 + j) * qs1 + i * qs2, kb, ks2, pos.data() + row * L,
+                                                    add.data() + row * L, visible[row], scale, tail, sj);
+              scores[j] = sj;
+              outs[j] = op + (row * H + h0 + j) * D;
+            }
+            weighted_values_avx512<DC>(vb, vs2, pos.data() + row * L, visible[row], tail, heads, scores, totals, outs);
           });
         }
       }
@@ -893,10 +941,10 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     std::vector<float> acc(D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / H, h = t % H, g = h / group;
-      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
-      const float* vb = vp + b * v.stride(0) + g * v.stride(1);
+      const float* kb = kp + b * ks0 + g * ks1;
+      const float* vb = vp + b * vs0 + g * vs1;
       for (int64_t i = 0; i < n; ++i) {
-        const float* qi = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        const float* qi = qp + b * qs0 + h * qs1 + i * qs2;
         const float* mi = mp ? mp + b * ms_b + i * ms_i : nullptr;
         const int64_t limit = mp ? L : L - n + i + 1;  // keys 0 .. limit-1 are candidates
         float top = -std::numeric_limits<float>::infinity();
@@ -906,7 +954,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
             score[j] = -std::numeric_limits<float>::infinity();
             continue;
           }
-          const float* kj = kb + j * k.stride(2);
+          const float* kj = kb + j * ks2;
           const float s = (wide ? dot_avx512(qi, kj, D) : dot_avx2(qi, kj, D)) * scale + add;
           score[j] = s;
           top = std::max(top, s);
@@ -917,7 +965,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           if (score[j] == -std::numeric_limits<float>::infinity()) continue;
           const float p = std::exp(score[j] - top);
           total += p;
-          const float* vj = vb + j * v.stride(2);
+          const float* vj = vb + j * vs2;
           if (wide) axpy_avx512(p, vj, acc.data(), D);
           else axpy_avx2(p, vj, acc.data(), D);
         }
@@ -1526,10 +1574,12 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
               up.scalar_type() == torch::kFloat32 && up.stride(1) == 1, "silu_mul: fp32 [n, I] gate and up");
   auto out = torch::silu(gate.contiguous());  // [n, I], fresh
   const int64_t n = out.size(0), I = out.size(1);
-  float* op = out.data_ptr<float>();
-  const float* up_p = up.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < I; ++j) op[i * I + j] *= up_p[i * up.stride(0) + j];
+  const int64_t up_row = up.stride(0);
+  for (int64_t i = 0; i < n; ++i) {  // restrict: out is fresh, so the loop vectorizes (a product rounds the same in any lane)
+    float* __restrict oi = out.data_ptr<float>() + i * I;
+    const float* __restrict ui = up.data_ptr<float>() + i * up_row;
+    for (int64_t j = 0; j < I; ++j) oi[j] *= ui[j];
+  }
   return out;
 }
 
@@ -1538,8 +1588,8 @@ torch::Tensor add_residual(torch::Tensor y, const torch::Tensor& h) {
   TORCH_CHECK(y.is_contiguous() && y.sizes() == h.sizes() && h.scalar_type() == y.scalar_type() &&
               y.scalar_type() == torch::kFloat32, "add_residual: fp32 y, h of one shape, y contiguous");
   auto hc = h.contiguous();
-  float* yp = y.data_ptr<float>();
-  const float* hp = hc.data_ptr<float>();
+  float* __restrict yp = y.data_ptr<float>();  // y is fresh: no alias with h
+  const float* __restrict hp = hc.data_ptr<float>();
   for (int64_t i = 0, count = y.numel(); i < count; ++i) yp[i] = hp[i] + yp[i];
   return y;
 }
