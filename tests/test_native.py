@@ -480,9 +480,10 @@ def test_lean_forward_is_bitwise_transformers_forward(tiny_native):
 
 
 def test_lean_forward_on_a_transformers_cache_is_bitwise_the_preallocated_one(tiny_native):
-    """The one-call layer writes keys and values into cascade's preallocated cache; on any other
-    cache layer (transformers' own DynamicCache) it runs around the layer's update instead: the
-    same logits bit for bit, chain and tree, and the same cache contents."""
+    """On cascade's preallocated cache the decoder is one native call whose layers write keys and
+    values into the cache's buffers; on any other cache (transformers' own DynamicCache) each
+    layer runs around the layer's update instead: the same logits bit for bit, chain and tree,
+    and the same cache contents."""
     from transformers import DynamicCache
 
     from cascade.tree import tree_mask, tree_positions
@@ -497,6 +498,8 @@ def test_lean_forward_on_a_transformers_cache_is_bitwise_the_preallocated_one(ti
 
     plain = DynamicCache()
     assert not isinstance(plain.layers[0] if plain.layers else None, type(tiny_native.new_cache().layers[0]))
+    # cascade's cache runs the whole decoder as one native call, transformers' layer by layer
+    assert tiny_native.lean._one_call(tiny_native.new_cache()) and not tiny_native.lean._one_call(plain)
     for a, b in zip(run(tiny_native.new_cache()), run(plain)):
         assert torch.equal(a, b)
 

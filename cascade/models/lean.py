@@ -178,6 +178,17 @@ class LeanDecoder:
             fused = fused_layers and isinstance(in_norm, FusedNorm) and isinstance(post_norm, FusedNorm)
             self.layers.append((FusedLayer if fused else OpsLayer)(layer, in_norm, post_norm, head_dim, scaling))
         self.final_norm = _fused_norm(self.norm)
+        self.kernels = native.native_kernels() if any(isinstance(layer, FusedLayer) for layer in self.layers) else None
+        # every layer fused: on a cache of PreallocatedLayer the whole decoder is one native call
+        fused = [layer for layer in self.layers if isinstance(layer, FusedLayer)]
+        self.decoder = (native.native_kernels().DecoderOps([layer.ops for layer in fused])
+                        if fused and len(fused) == len(self.layers) else None)
+
+    def _one_call(self, cache) -> bool:
+        """Whether this forward runs the decoder as one native call: every layer fused and every
+        cache layer a :class:`PreallocatedLayer` (else layer by layer, bitwise the same)."""
+        return (self.decoder is not None and len(cache.layers) == len(self.layers)
+                and all(type(layer) is PreallocatedLayer for layer in cache.layers))
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -191,11 +202,18 @@ class LeanDecoder:
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, D]
         mask = None if attention_mask is None else attention_mask.float()
         wanted = return_hidden if isinstance(return_hidden, tuple) else (return_hidden,)
-        kept: dict[int, torch.Tensor] = {}  # layer index -> hidden states [n, E]
-        for index, layer in enumerate(self.layers):
-            h = layer(h, index, cos, sin, cache, mask)
-            if index + 1 in wanted:
-                kept[index + 1] = h
+        kept: dict[int, torch.Tensor] = {}  # layer count -> hidden states [n, E]
+        if self._one_call(cache):
+            after = [c for c in wanted if c is not None and c > 0]  # counts of layers (FINAL_HIDDEN is kept below)
+            claims = [layer.reserve(self.layers[0].kv_like, h.shape[0]) for layer in cache.layers]
+            h, *states = self.kernels.decoder_step(h, self.decoder, [k for k, _, _ in claims], [v for _, v, _ in claims],
+                                                   [start for _, _, start in claims], cos, sin, mask, after)
+            kept.update(zip(after, states))
+        else:
+            for index, layer in enumerate(self.layers):
+                h = layer(h, index, cos, sin, cache, mask)
+                if index + 1 in wanted:
+                    kept[index + 1] = h
         h = self.final_norm(h)
         kept[FINAL_HIDDEN] = h
         return forward_outputs(self.head(h if not keep_last else h[-keep_last:]), kept, return_hidden)
