@@ -109,29 +109,46 @@ class CostCurve:
        price is its share of the cheapest extension, and marginal prices rise with n, as a
        greedy marginal rule needs.
 
-    Flat below the smallest n seen (a single size: proportional growth), extended with the last
-    segment's slope beyond the largest."""
+    Only sizes measured within the last ``window`` updates enter the curve. A host's speed drifts,
+    and a size that is no longer measured (a calibration point the policy never visits again, such
+    as a one-input verification under a tree policy that always drafts) would keep its old value
+    forever; the hull then hangs on it. In ``results/kernels/dytc/gsm8k`` a calibration at one input,
+    20 ms below every live verification, priced each node of DyTC's trees at 0.075 of a step
+    where the live verifications of 2-9 inputs cost about 0.01 more per node.
 
-    def __init__(self, decay: float = 0.8) -> None:
-        self.decay = decay
+    Flat below the smallest n in the curve (a single size: proportional growth), extended with the
+    last segment's slope beyond the largest."""
+
+    def __init__(self, decay: float = 0.8, window: int = 32) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.decay, self.window = decay, window
         self.seconds: dict[int, float] = {}  # n -> EMA seconds
         self.counts: dict[int, int] = {}
+        self.last: dict[int, int] = {}  # n -> the update count when n was last measured
+        self.updates = 0
         self.obs: deque[tuple[int, float]] = deque(maxlen=64)  # the latest raw measurements (n, seconds)
 
     def update(self, n: int, seconds: float) -> None:
+        self.updates += 1
         self.obs.append((n, seconds))
         old = self.seconds.get(n)
         self.seconds[n] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
         self.counts[n] = self.counts.get(n, 0) + 1
+        self.last[n] = self.updates
+
+    def current(self) -> list[int]:
+        """The sizes in the curve: measured within the last ``window`` updates, increasing."""
+        return sorted(n for n, at in self.last.items() if self.updates - at < self.window)
 
     @property
     def sizes(self) -> int:
-        """How many distinct input counts were measured."""
-        return len(self.seconds)
+        """How many distinct input counts the curve is made of now."""
+        return len(self.current())
 
     def points(self) -> list[tuple[int, float]]:
-        """(n, seconds) in increasing n: the isotonic fit's convex minorant at every measured n."""
-        ns = sorted(self.seconds)
+        """(n, seconds) in increasing n: the isotonic fit's convex minorant at every current n."""
+        ns = self.current()
         monotone = _isotonic([self.seconds[n] for n in ns], [min(self.counts[n], 10) for n in ns])
         return list(zip(ns, _convex_minorant(ns, monotone)))
 

@@ -276,6 +276,28 @@ def test_cost_curve_spreads_a_step_and_pools_an_outlier():
     assert all(b >= a for (_, a), (_, b) in zip(noisy.points(), noisy.points()[1:]))
 
 
+def test_cost_curve_forgets_sizes_no_longer_measured():
+    """A calibration point the policy never visits again (one input, timed at a faster moment of
+    the host) leaves the curve once ``window`` live measurements have come: the live verifications
+    (flat at 0.070 s over 2-9 inputs) then set both the step and the price of a node."""
+    curve = CostCurve()  # the window the policies use: 32 updates
+    assert curve.window == 32
+    for n, t in ((1, 0.045), (2, 0.047), (4, 0.049), (8, 0.065), (16, 0.113)):  # calibration
+        curve.update(n, t)
+    live = [(2 + i % 8, 0.070 + 0.0005 * (i % 8)) for i in range(80)]  # 10 per size
+    for n, t in live[:20]:
+        curve.update(n, t)
+    assert curve.predict(1) == 0.045 and 1 in curve.current()  # within the window: still used
+    for n, t in live[20:]:
+        curve.update(n, t)
+    assert curve.current() == list(range(2, 10)) and curve.sizes == 8
+    assert abs(curve.predict(1) - curve.predict(2)) < 1e-12 and curve.predict(1) > 0.066  # flat below
+    slope = (curve.predict(9) - curve.predict(2)) / 7
+    assert 0 <= slope < 0.001  # each node ~0.0005 s, not the 0.003 s the stale point at 1 made it
+    with pytest.raises(ValueError, match="window"):
+        CostCurve(window=0)
+
+
 def test_bad_policies():
     with pytest.raises(ValueError):
         StaticTreePolicy((2, 0))
