@@ -18,7 +18,7 @@ so the estimates stay current).
 Pricing (:class:`CallPrices`): ĉ(w) is an LM drafter's forward time at width w, and Δverify(m)
 the growth of the verification forward when a tree of m nodes gets one more (t(m + 2) - t(m + 1):
 the root is an input too), both read off measured cost curves (``cascade.estimators.CostCurve``:
-seconds per input count, made monotone and replaced by their lower convex hull, so the cheap
+seconds per input count over the sizes measured lately, made monotone and replaced by their lower convex hull, so the cheap
 first nodes of a bandwidth-bound forward and the expensive ones past it are each priced as
 measured, and a step in the curve is shared by the nodes behind it instead of stopping the tree
 at the node where it falls); a forward-free drafter's proposal
