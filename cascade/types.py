@@ -91,7 +91,7 @@ class AlphaEstimate:
 class PolicyEstimates:
     """What a tree policy acted on at one step (logged per step in ``TreeStats``)."""
 
-    alpha: dict[str, dict[str, AlphaEstimate]] = field(default_factory=dict)  # drafter -> key ("depth1", "rank2", "conf3") -> α̂
+    alpha: dict[str, dict[str, AlphaEstimate]] = field(default_factory=dict)  # drafter -> key ("depth1", "rank2", "conf3", "sibling_conf3") -> α̂
     drafter_cost_s: dict[str, float] = field(default_factory=dict)  # forward-free drafter -> seconds per proposal
     forward_curve_s: dict[str, dict[int, float]] = field(default_factory=dict)  # LM drafter -> width -> seconds
     verify_curve_s: dict[int, float] | None = None  # the target's forward: input count -> seconds

@@ -226,6 +226,26 @@ def test_depth_acceptance_borrows_from_the_depth_above():
         NodeAcceptance(["lm"], depth_prior="deepest")
 
 
+def test_siblings_are_calibrated_apart_from_first_children():
+    """At one drafter probability a ranked sibling is accepted far less often than a first child;
+    a bucket shared by both priced siblings from first children's record and filled the trees
+    with them (accepted 5-10% of the time on HumanEval)."""
+    from cascade.trees.acceptance import NodeAcceptance
+    from cascade.trees.growth import Node
+
+    acc = NodeAcceptance(["lm"])
+    assert acc.confident(0, 0.4, 1) == acc.confident(0, 0.4, 2) == 0.4  # nothing seen: the calibrated prior
+    first = [Node(7, -1, 1, 0, 1, None, 1.0, conf=0.4) for _ in range(20)]
+    sibling = [Node(8, -1, 1, 0, 2, None, 1.0, conf=0.4) for _ in range(20)]
+    acc.observe(first + sibling, [ACCEPTED] * 20 + [REJECTED] * 20)
+    assert acc.confident(0, 0.4, 1) > 0.9 and acc.confident(0, 0.4, 2) < 0.1
+    assert acc.confident(0, 0.4, 3) == acc.confident(0, 0.4, 2)  # every rank below the first shares one record
+    assert acc.confident(0, 0.9, 2) == 0.9  # another bucket: still its prior
+    shared = NodeAcceptance(["lm"], siblings_apart=False)  # one record for both, for comparison
+    shared.observe(first + sibling, [ACCEPTED] * 20 + [REJECTED] * 20)
+    assert shared.confident(0, 0.4, 1) == shared.confident(0, 0.4, 2) and 0.4 < shared.confident(0, 0.4, 2) < 0.6
+
+
 def test_cost_curve_is_piecewise_and_monotone():
     curve = CostCurve()
     assert curve.predict(3) is None

@@ -146,6 +146,7 @@ class DynamicTreePolicy(TreePolicy):
     prior_verify_slope: float = 0.02  # Δverify per node before two forward sizes are measured, in target steps
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of every depth / rank α̂
     depth_prior: str = "above"  # depth d's α̂ prior centred on depth d - 1's ("flat": the Beta prior at every depth)
+    siblings_apart: bool = True  # ranked siblings' confidence buckets apart from first children's (False: one record, for comparison)
     explore: int = 16  # every explore-th step drafts one level even when it does not pay (0: never)
     measure_costs: bool = True  # False: price with the priors only (deterministic shapes, e.g. tiny test models)
     calibrate: bool = False  # time target forwards of 1..32 inputs once, before decoding (fits Δverify)
@@ -248,7 +249,7 @@ class DynamicTreePolicy(TreePolicy):
 
     def _ranked_children(self, turn: _Turn, expand: list[int], logits) -> list[int]:
         tree, i = turn.tree, turn.drafter
-        candidates = [(tree.reach(x) * self.acceptance.confident(i, conf), x, rank, token, conf)
+        candidates = [(tree.reach(x) * self.acceptance.confident(i, conf, rank), x, rank, token, conf)
                       for x in expand
                       for rank, (token, conf) in enumerate(turn.calls.ranked(tree, x, logits[x], self.max_rank), start=1)]
         candidates.sort(key=lambda c: -c[0])

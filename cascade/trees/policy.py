@@ -26,12 +26,13 @@ class TreePolicy:
     kind = "tree"
     prior: tuple[float, float] = (1.0, 1.0)
     depth_prior: str = "above"  # NodeAcceptance: a depth's α̂ prior centred on the depth above ("flat": the prior)
+    siblings_apart: bool = True  # NodeAcceptance: ranked siblings' confidence buckets learned apart from first children's
     ranked_first = False  # the policy takes ranked children from the first drafter, which must be an LM drafter
 
     def setup(self, names: list[str], calls: LevelCalls) -> None:
         if self.ranked_first and not calls.is_lm(0):
             raise TypeError(f"a {self.kind} tree's first drafter must be an LM drafter (it provides ranked children)")
-        self.acceptance = NodeAcceptance(names, self.prior, self.depth_prior)
+        self.acceptance = NodeAcceptance(names, self.prior, self.depth_prior, self.siblings_apart)
 
     def start(self, target: CausalLM) -> None:
         pass

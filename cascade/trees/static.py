@@ -44,7 +44,7 @@ class StaticTreePolicy(TreePolicy):
     def _children(self, tree: Tree, calls: LevelCalls, node: int, logits: torch.Tensor, count: int) -> list[int]:
         """``count`` children of ``node``, their reach from the learned α̂."""
         if calls.deterministic(0):
-            return [tree.add(node, 0, rank, token, None, tree.reach(node) * self.acceptance.confident(0, conf), conf)
+            return [tree.add(node, 0, rank, token, None, tree.reach(node) * self.acceptance.confident(0, conf, rank), conf)
                     for rank, (token, conf) in enumerate(calls.ranked(tree, node, logits, count), start=1)]
         q = calls.q(logits)  # [V]
         depth = tree.depth(node) + 1
