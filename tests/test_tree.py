@@ -275,6 +275,31 @@ def test_dytc_prices_the_first_nodes_as_measured():
     assert policy.prices.verify_per_node(0) < policy.prices.verify_per_node(10)
 
 
+def test_dytc_prices_a_node_at_the_size_trees_end_at():
+    """Every node shares the verification, which costs the curve at the tree's final size: once
+    trees of ~6 nodes are seen, the first node of the next tree is priced at the slope there,
+    not at the curve's flat start (which let level 1 fill with siblings nearly free)."""
+    from cascade.trees.growth import Tree
+
+    def policy(**kw):
+        p = DynamicTreePolicy(**kw)
+        p.setup(["d"], None)
+        for n, t in ((1, 0.100), (2, 0.101), (3, 0.102), (5, 0.142), (7, 0.182), (9, 0.222)):
+            p.prices.verify_seconds.update(n, t)  # flat to 3 inputs, then 0.02 s per input
+        return p
+
+    by_size, by_position = policy(), policy(price_at_tree_size=False)
+    empty = Tree([1, 2, 3])
+    assert abs(by_size._node(empty) - 0.01) < 1e-9  # no tree seen yet: its position (1 -> 2 inputs)
+    for p in (by_size, by_position):
+        for _ in range(30):
+            p.prices.record_tree(6)
+    assert abs(by_size.prices.tree_nodes - 6) < 1e-9
+    assert abs(by_size._node(empty) - 0.2) < 1e-9  # 7 -> 8 inputs: 0.02 s over a 0.1 s step
+    assert abs(by_size._node(empty, ahead=7) - 0.2) < 1e-9  # past the mean size: its position (also 0.02 s here)
+    assert abs(by_position._node(empty) - 0.01) < 1e-9
+
+
 def test_cost_curve_spreads_a_step_and_pools_an_outlier():
     """A forward whose time steps up (2 -> 3 inputs: +0.06 s, then flat to 8) prices each node up
     to 8 at its share of the step (the lower convex hull), so a node-by-node rule can reach the

@@ -21,7 +21,9 @@ the root is an input too), both read off measured cost curves (``cascade.estimat
 seconds per input count over the sizes measured lately, made monotone and replaced by their lower convex hull, so the cheap
 first nodes of a bandwidth-bound forward and the expensive ones past it are each priced as
 measured, and a step in the curve is shared by the nodes behind it instead of stopping the tree
-at the node where it falls); a forward-free drafter's proposal
+at the node where it falls; every node of a tree is priced at the curve's slope at the size
+the recent trees ended at, or at its own position when past it, since all of them share one
+verification); a forward-free drafter's proposal
 time (EMA); all divided by the time of a one-input target forward (an autoregressive step). α̂ (``NodeAcceptance``): a deterministic child's from its confidence bucket, a
 sampled child's from its depth and sibling rank, decided before it is drawn.
 """
@@ -46,6 +48,7 @@ class CallPrices:
         self.lookup_seconds = DrafterCost()  # forward-free drafters: seconds per proposal
         self.forward_seconds = {n: CostCurve() for n in names}  # LM drafters: seconds per forward of width w
         self.verify_seconds = CostCurve()  # the target: seconds per forward of n inputs
+        self.tree_nodes = 0.0  # EMA of the verified trees' node counts (0: none yet)
 
     def record(self, tree: Tree, seen: int) -> None:
         """Take the tree's drafter-call timings from index ``seen`` on."""
@@ -68,6 +71,9 @@ class CallPrices:
                 target.crop(cache, 64)
             self.verify_seconds.update(n, min(seconds))
 
+    def record_tree(self, nodes: int, decay: float = 0.8) -> None:
+        self.tree_nodes = float(nodes) if not self.tree_nodes else decay * self.tree_nodes + (1 - decay) * nodes
+
     def target_step(self) -> float | None:
         """Seconds of a one-input target forward (one autoregressive step), when measured."""
         if not self.policy.measure_costs:
@@ -75,7 +81,7 @@ class CallPrices:
         step = self.verify_seconds.predict(1)
         return step if step is not None and step > 0 else None
 
-    def verify_per_node(self, nodes: int) -> float:
+    def verify_per_node(self, nodes: float) -> float:
         """Δverify(nodes): what one more node costs a verification of ``nodes`` nodes (nodes + 1
         inputs with the root), in target steps; the prior slope until two sizes are measured."""
         step = self.target_step()
@@ -146,6 +152,7 @@ class DynamicTreePolicy(TreePolicy):
     prior_verify_slope: float = 0.02  # Δverify per node before two forward sizes are measured, in target steps
     prior: tuple[float, float] = (1.0, 1.0)  # Beta prior of every depth / rank α̂
     depth_prior: str = "above"  # depth d's α̂ prior centred on depth d - 1's ("flat": the Beta prior at every depth)
+    price_at_tree_size: bool = True  # Δverify of a node at max(its position, the recent trees' mean size) (False: its position)
     siblings_apart: bool = True  # ranked siblings' confidence buckets apart from first children's (False: one record, for comparison)
     explore: int = 16  # every explore-th step drafts one level even when it does not pay (0: never)
     measure_costs: bool = True  # False: price with the priors only (deterministic shapes, e.g. tiny test models)
@@ -173,6 +180,7 @@ class DynamicTreePolicy(TreePolicy):
 
     def observe(self, nodes, result, verify_time_s) -> None:
         super().observe(nodes, result, verify_time_s)
+        self.prices.record_tree(len(nodes))
         if verify_time_s is not None:
             self.prices.verify_seconds.update(len(nodes) + 1, verify_time_s)
 
@@ -198,8 +206,18 @@ class DynamicTreePolicy(TreePolicy):
         return list(range(len(tree.nodes)))
 
     def _node(self, tree: Tree, ahead: int = 0) -> float:
-        """Δverify of the next node when ``ahead`` more are already planned on top of the tree."""
-        return max(self.prices.verify_per_node(len(tree.nodes) + ahead), 1e-6)
+        """Δverify of the next node when ``ahead`` more are already planned on top of the tree.
+
+        Every node of a tree shares one verification forward, whose cost is the curve at the size
+        the tree ends at: what a node adds is the curve's slope there, not at the position it came
+        in. Priced by position (``price_at_tree_size=False``), the first nodes of a tree took the
+        flat start of a convex curve nearly free, so level 1 filled with siblings the target
+        accepted 3-10% of the time and the first children deeper down paid the steep part. So a
+        node is priced at the larger of its position and the recent trees' mean size."""
+        size = len(tree.nodes) + ahead
+        if self.price_at_tree_size:
+            size = max(size, self.prices.tree_nodes)
+        return max(self.prices.verify_per_node(size), 1e-6)
 
     def _worth(self, gain: float, cost: float, step: _StepValue) -> bool:
         return gain / cost >= max(self.t_min, step.rate)
