@@ -1,6 +1,9 @@
 """Where a round's time goes, per method of one run, in autoregressive steps: the target's
 verification forward, the drafting, the acceptance rule and the rest of the loop (commit,
-observe, records), from the run's ``steps.jsonl`` (the baseline's mean step time is one step).
+observe, records), from the run's ``steps.jsonl`` (the baseline's mean step time is one step);
+then the shape of the drafts: nodes per round, the deepest node, and per round the first
+children (the first child of each parent: a chain's every node) and the siblings below them,
+each with the fraction the target accepted.
 
     python -m analysis.rounds RUN_DIR
 """
@@ -13,6 +16,7 @@ from collections import defaultdict
 
 from cascade.metrics import decode_speedup
 from cascade.results import load_jobs
+from cascade.tree import children_of, depths_of
 
 
 def round_parts(steps: list[dict]) -> dict[str, dict[str, float]]:
@@ -35,6 +39,31 @@ def round_parts(steps: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def draft_shape(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """method -> per drafting round: nodes, deepest depth, first children and siblings (each
+    parent's first child / the later ones) and the fraction of each the target accepted."""
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for s in steps:
+        if s["drafted"]:
+            by_method[s["method"]].append(s)
+    out = {}
+    for name, rows in by_method.items():
+        first = first_ok = siblings = siblings_ok = 0
+        for r in rows:
+            accepted = set(r["accepted_path"])
+            for kids in children_of(r["parents"]):
+                first += bool(kids)
+                first_ok += bool(kids) and kids[0] in accepted
+                siblings += max(len(kids) - 1, 0)
+                siblings_ok += sum(k in accepted for k in kids[1:])
+        n = len(rows)
+        out[name] = {"rounds": n, "nodes": sum(r["drafted"] for r in rows) / n,
+                     "depth": statistics.mean(max(depths_of(r["parents"])) for r in rows),
+                     "first": first / n, "first_accepted": first_ok / max(first, 1),
+                     "siblings": siblings / n, "siblings_accepted": siblings_ok / max(siblings, 1)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
@@ -54,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:16s} {p['tokens']:7.2f} {p['inputs']:7.2f} " + " ".join(
                 f"{p[k] / step:7.3f}" for k in ("verify", "draft", "accept", "other"))
                 + f" {total / step:7.3f} {decode:>7s} {method.speedup:6.2f}x")
+        print(f"{'drafts':16s} {'rounds':>7s} {'nodes':>7s} {'depth':>7s} {'first':>7s} {'(acc)':>7s} {'sibling':>7s} {'(acc)':>7s}")
+        for name, d in draft_shape(job.steps()).items():
+            print(f"{name:16s} {d['rounds']:7d} {d['nodes']:7.2f} {d['depth']:7.2f} {d['first']:7.2f} "
+                  f"{d['first_accepted']:7.2f} {d['siblings']:7.2f} {d['siblings_accepted']:7.2f}")
     return 0
 
 

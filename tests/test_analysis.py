@@ -191,6 +191,22 @@ def test_round_decomposition_adds_up(sweep, capsys):
     assert rounds_main([str(job)]) == 0
     out = capsys.readouterr().out
     assert "one autoregressive step" in out and " 1.000 " in out.splitlines()[2]
+    assert "sibling" in out
+
+
+def test_draft_shape_counts_first_children_and_siblings():
+    """A round's tree: node 0 and its sibling 1 below the root, node 2 below 0; the path 0 -> 2
+    accepted. First children: 0 (of the root) and 2 (of 0), both accepted; sibling 1, rejected."""
+    from analysis.rounds import draft_shape
+
+    tree = {"method": "t", "drafted": 3, "parents": [-1, -1, 0], "accepted_path": [0, 2]}
+    chain = {"method": "c", "drafted": 3, "parents": [-1, 0, 1], "accepted_path": [0]}
+    shape = draft_shape([tree, chain, {"method": "ar", "drafted": 0, "parents": [], "accepted_path": []}])
+    assert "ar" not in shape
+    assert shape["t"] == {"rounds": 1, "nodes": 3, "depth": 2, "first": 2, "first_accepted": 1.0,
+                          "siblings": 1, "siblings_accepted": 0.0}
+    assert shape["c"]["first"] == 3 and shape["c"]["first_accepted"] == pytest.approx(1 / 3)
+    assert shape["c"]["siblings"] == 0 and shape["c"]["depth"] == 3
 
 
 def test_markdown_table_of_a_run(sweep, capsys):
