@@ -44,6 +44,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from cascade import dirnames  # noqa: F401  (registers the job_dirname resolver hydra.sweep.subdir uses)
 from cascade.data import encode, load_prompts
 from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interleaved, summarize_methods
 from cascade.metrics import write_json_atomic, write_jsonl_atomic

@@ -29,6 +29,8 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from cascade import dirnames  # noqa: F401  (registers the job_dirname resolver hydra.sweep.subdir uses)
+
 log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"  # written last by cascade.run.run: present = complete

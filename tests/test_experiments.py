@@ -205,6 +205,30 @@ def test_multirun_sweep_gives_one_directory_per_job(tmp_path):
     assert {p: p.read_text() for p in summaries} == before
 
 
+def test_job_dirname_keeps_short_names_and_hashes_long_ones():
+    from cascade.dirnames import DIRNAME_CHARS, job_dirname
+
+    assert job_dirname("dataset=gsm8k,seed=1") == "dataset=gsm8k,seed=1"
+    long = ",".join(f"~methods.method_{i}=null" for i in range(20))
+    name = job_dirname(long)
+    assert len(name.encode()) <= DIRNAME_CHARS and name.startswith("~methods.method_0=null")
+    assert job_dirname(long) == name and job_dirname(long + ",seed=2") != name  # stable, and distinct
+
+
+def test_multirun_with_a_long_override_list_names_short_directories(tmp_path):
+    """Hydra names a job directory after its overrides; past the file system's 255 bytes every job
+    failed with "File name too long". Long names are cut and hashed (cascade.dirnames.job_dirname)."""
+    sweep = tmp_path / "sweep"
+    tag = "x" * 300
+    result = _cli("-m", "+experiment=pld", "debug=tiny", "seed=1,2", f"+tag={tag}", f"hydra.sweep.dir={sweep}",
+                  "progress=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = sorted(p.parent for p in sweep.glob("*/summary.json"))
+    assert len(jobs) == 2 and all(len(j.name) < 130 for j in jobs) and jobs[0].name != jobs[1].name
+    rows, incomplete = gather(sweep)
+    assert sorted({r["seed"] for r in rows}) == ["1", "2"] and not incomplete
+
+
 def test_submitit_launcher_local_executor(tmp_path):
     sweep = tmp_path / "sweep"
     result = _cli(
