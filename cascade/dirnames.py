@@ -9,6 +9,7 @@ import hashlib
 from omegaconf import OmegaConf
 
 DIRNAME_CHARS = 120  # a job directory's name from its overrides, at most (a file system allows 255 bytes)
+DIGEST_CHARS = 10  # of the overrides' sha1, after "_", where the name is cut
 
 
 def job_dirname(overrides: str) -> str:
@@ -18,8 +19,8 @@ def job_dirname(overrides: str) -> str:
     overrides give the same name, so ``resume=true`` finds the directory again."""
     if len(overrides.encode()) <= DIRNAME_CHARS:
         return overrides
-    digest = hashlib.sha1(overrides.encode()).hexdigest()[:10]
-    return overrides.encode()[: DIRNAME_CHARS - 11].decode(errors="ignore") + "_" + digest
+    digest = hashlib.sha1(overrides.encode()).hexdigest()[:DIGEST_CHARS]
+    return overrides.encode()[: DIRNAME_CHARS - 1 - DIGEST_CHARS].decode(errors="ignore") + "_" + digest
 
 
 if not OmegaConf.has_resolver("job_dirname"):

@@ -178,11 +178,10 @@ class LeanDecoder:
             fused = fused_layers and isinstance(in_norm, FusedNorm) and isinstance(post_norm, FusedNorm)
             self.layers.append((FusedLayer if fused else OpsLayer)(layer, in_norm, post_norm, head_dim, scaling))
         self.final_norm = _fused_norm(self.norm)
-        self.kernels = native.native_kernels() if any(isinstance(layer, FusedLayer) for layer in self.layers) else None
         # every layer fused: on a cache of PreallocatedLayer the whole decoder is one native call
-        fused = [layer for layer in self.layers if isinstance(layer, FusedLayer)]
-        self.decoder = (native.native_kernels().DecoderOps([layer.ops for layer in fused])
-                        if fused and len(fused) == len(self.layers) else None)
+        all_fused = bool(self.layers) and all(isinstance(layer, FusedLayer) for layer in self.layers)
+        self.kernels = native.native_kernels() if all_fused else None
+        self.decoder = self.kernels.DecoderOps([layer.ops for layer in self.layers]) if all_fused else None
 
     def _one_call(self, cache) -> bool:
         """Whether this forward runs the decoder as one native call: every layer fused and every
