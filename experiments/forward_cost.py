@@ -21,8 +21,11 @@ fp16-weight GEMM at 512 rows), counts the model's linear weights, and prints the
 ``theory.forward_floor_s`` for every k (16-bit weights read once, arithmetic at the measured
 peak, the two overlapped; and the sum of the two, a kernel that does not overlap them), each
 backend's time over that floor, and the 1-token forward's tokens per second as a
-fraction of the bandwidth bound for the bytes that backend reads. Where the floor's own k-token /
-1-token ratio is above a goal, no exact kernel can meet that goal on this machine. ``--prefill N``
+fraction of the bandwidth bound for the bytes that backend reads. For a backend on native
+kernels a "<backend> linears" row times the model's linear layers alone, called one after
+another on k random rows in the same repeats as the forwards: their ratio to the floor is the
+kernels' own efficiency, and the forward minus it is what the rest of the forward costs.
+Where the floor's own k-token / 1-token ratio is above a goal, no exact kernel can meet that goal on this machine. ``--prefill N``
 (default 256; 0: skip) times an N-token forward on an empty cache per backend and prints its
 GFLOP/s against the measured fp32 peak.
 
@@ -82,6 +85,8 @@ def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[
         lm.forward([t % lm.vocab_size for t in range(100, 300)], caches[name], keep_last=1)
         bases[name] = lm.cache_len(caches[name])
     samples = {name: {k: [] for k in ks} for name in lms}
+    alone = {f"{name} linears": linears for name, lm in lms.items() if (linears := native_linears(lm))}
+    samples.update({name: {k: [] for k in ks} for name in alone})
     probe = ReadProbe(probe_gib) if probe_gib > 0 else None
     probe_s = []
     for _ in range(repeats + 1):  # the first round is a warm-up
@@ -95,8 +100,30 @@ def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[
                 lm.forward(list(range(1, k + 1)), caches[name])
                 samples[name][k].append(time.perf_counter() - t0)
                 lm.crop(caches[name], bases[name])
+            for name, linears in alone.items():
+                samples[name][k].append(linears_pass_s(linears, k))
     times = {name: {k: statistics.median(v[1:]) for k, v in by_k.items()} for name, by_k in samples.items()}
     return times, (probe.nbytes / statistics.median(probe_s[1:]) if probe is not None else None)
+
+
+def native_linears(lm) -> list:
+    """The model's native linear modules in the order its forward calls them (LM head last);
+    empty for a backend on other kernels."""
+    from cascade.models.native import NativeLinear
+
+    return [m for m in lm.model.modules() if isinstance(m, NativeLinear)]
+
+
+def linears_pass_s(linears: list, k: int) -> float:
+    """Seconds to call every linear once on k rows, one call after another with nothing
+    between them: the forward's kernels without the rest of the forward (norms, RoPE,
+    attention, framework). Each layer is its own call (the lean forward joins q / k / v and
+    gate / up into one), on one random input per width, made before the clock starts."""
+    inputs = {m.in_features: torch.randn(k, m.in_features) for m in linears}
+    t0 = time.perf_counter()
+    for m in linears:
+        m(inputs[m.in_features])
+    return time.perf_counter() - t0
 
 
 def prefill_time(lm, n: int, repeats: int) -> float:
@@ -211,7 +238,7 @@ def main() -> None:
              "int4v_ops": dict(quantize="int4_vnni", lean="ops")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
-    print(f"{'backend':12s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
+    print(f"{'backend':16s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
     components, prefill = {}, {}
     lms = {}
     for name, kwargs in backends.items():  # every backend loaded at once (memory: the sum of their copies)
@@ -228,7 +255,7 @@ def main() -> None:
     head_params = head.in_features * head.out_features
     all_times, bandwidth = forward_times(lms, ks, args.repeats, probe_gib=1.0 if args.roofline else 0.0)
     for name, times in all_times.items():
-        print(f"{name:12s} " + " ".join(f"{1000 * times[k]:7.0f} ({times[k] / times[1]:4.2f})" for k in ks), flush=True)
+        print(f"{name:16s} " + " ".join(f"{1000 * times[k]:7.0f} ({times[k] / times[1]:4.2f})" for k in ks), flush=True)
     for name, lm in lms.items():
         components[name] = {k: component_times(lm, k, args.repeats) for k in (ks[0], ks[-1])}
         if args.prefill:
@@ -249,6 +276,13 @@ def main() -> None:
 # scale per tensor; int8n: per channel; int4n: half a byte plus an fp32 scale per 64 weights)
 BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "native_ops": 2, "native_hf": 2, "int8": 1, "int8n": 1,
                     "int8v": 1, "int4n": 0.5 + 4 / 64, "int4v": 0.5 + 4 / 64, "int4v_ops": 0.5 + 4 / 64}
+LINEARS = " linears"  # a backend's linears-alone row (:func:`linears_pass_s`) is named "<backend> linears"
+
+
+def bytes_per_weight(row: str) -> float:
+    return BYTES_PER_WEIGHT.get(row.removesuffix(LINEARS), 2)
+
+
 EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native", "native_ops", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
 
 
@@ -263,23 +297,27 @@ def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], bandwi
     print(f"{params / 1e9:.3f} G linear weights: {weight_bytes / 1e9:.2f} GB in 16 bits, {flops / 1e9:.2f} GFLOP per token; "
           f"bandwidth-bound up to k = {weight_bytes / bandwidth * peak / flops:.1f}")
     serial = {k: forward_floor_s(k, weight_bytes, flops, bandwidth, peak, overlap=False) for k in ks}
-    print(f"{'floor':12s} " + " ".join(f"{1000 * floor[k]:7.0f} ({floor[k] / floor[1]:4.2f})" for k in ks))
-    print(f"{'no overlap':12s} " + " ".join(f"{1000 * serial[k]:7.0f} ({serial[k] / serial[1]:4.2f})" for k in ks)
+    print(f"{'floor':16s} " + " ".join(f"{1000 * floor[k]:7.0f} ({floor[k] / floor[1]:4.2f})" for k in ks))
+    print(f"{'no overlap':16s} " + " ".join(f"{1000 * serial[k]:7.0f} ({serial[k] / serial[1]:4.2f})" for k in ks)
           + "   (streaming, then arithmetic)")
     print("time / floor (the floor of each backend's own bytes per weight)")
     own_floor = {}
     for name, times in all_times.items():
-        own = BYTES_PER_WEIGHT.get(name, 2)
+        own = bytes_per_weight(name)
         own_floor[name] = {k: forward_floor_s(k, own * params, flops, bandwidth, peak) for k in ks}
-        print(f"{name:12s} " + " ".join(f"{times[k] / own_floor[name][k]:14.2f}" for k in ks))
+        print(f"{name:16s} " + " ".join(f"{times[k] / own_floor[name][k]:14.2f}" for k in ks))
     for name, times in all_times.items():
-        own = BYTES_PER_WEIGHT.get(name, 2)
+        own = bytes_per_weight(name)
         bound = bandwidth / (own * params)
         print(f"{name}: 1-token forward {1 / times[1]:.2f} tok/s = {100 / times[1] / bound:.0f}% of the bandwidth bound for its "
               f"{own:g}-byte weights ({bound:.2f} tok/s)")
+    for name in [n for n in all_times if n + LINEARS in all_times]:
+        forward, linears = all_times[name], all_times[name + LINEARS]
+        print(f"{name}: the forward minus its linears alone (norms, RoPE, attention, joins, framework): "
+              + ", ".join(f"k={k} {1000 * (forward[k] - linears[k]):.1f} ms" for k in (ks[0], ks[-1])))
     small = [k for k in ks if k <= 8]
     print(f"goal 1-token >= 90% of the bandwidth bound (exact backends): "
-          + ", ".join(f"{n} {100 * own_floor[n][1] / t[1]:.0f}%" for n, t in all_times.items() if n in EXACT))
+          + ", ".join(f"{n} {100 * own_floor[n][1] / t[1]:.0f}%" for n, t in all_times.items() if n.removesuffix(LINEARS) in EXACT))
     print(f"goal k <= 8 within 1.15x of k = 1: the floor's own worst ratio is {max(floor[k] / floor[1] for k in small):.2f}; "
           + ", ".join(f"{n} {max(t[k] / t[1] for k in small):.2f}" for n, t in all_times.items()))
     if 16 in floor:
