@@ -311,7 +311,8 @@ class NoReplacementStaticTree(StaticTreePolicy):
                 break
             token = calls.draw(left / left.sum())
             left[token] = 0
-            out.append(tree.add(node, 0, rank, token, q, tree.reach(node) * self.acceptance.sibling(0, depth, rank)))
+            out.append(tree.add(node, drafter=0, rank=rank, token=token, q=q,
+                                reach=tree.reach(node) * self.acceptance.sibling(0, depth, rank)))
         return out
 
 

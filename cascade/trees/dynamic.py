@@ -235,7 +235,7 @@ class DynamicTreePolicy(TreePolicy):
             self.prices.record(tree, seen)
             turn.step.cost += self.prices.lookup(i)
             if token is not None and (q is not None or token not in tree.taken.get(x, set())):
-                added.append(tree.add(x, i, 1, token, q, gain))
+                added.append(tree.add(x, drafter=i, rank=1, token=token, q=q, reach=gain))
                 turn.step.count(gain, per_node)
         return added
 
@@ -278,7 +278,7 @@ class DynamicTreePolicy(TreePolicy):
                 break
             if token in tree.taken.get(x, set()):
                 continue
-            added.append(tree.add(x, i, rank, token, None, gain, conf))
+            added.append(tree.add(x, drafter=i, rank=rank, token=token, q=None, reach=gain, conf=conf))
             turn.step.count(gain, per_node)
         return added
 
@@ -293,6 +293,6 @@ class DynamicTreePolicy(TreePolicy):
                 first = turn.must_try and n == 0 and rank == 1
                 if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, turn.step) or first):
                     break
-                added.append(tree.add(x, i, rank, turn.calls.draw(q), q, gain))
+                added.append(tree.add(x, drafter=i, rank=rank, token=turn.calls.draw(q), q=q, reach=gain))
                 turn.step.count(gain, per_node)
         return added

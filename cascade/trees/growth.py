@@ -66,9 +66,9 @@ class Tree:
     def path_tokens(self, node: int) -> list[int]:
         return [self.nodes[j].token for j in path_to(node, [n.parent for n in self.nodes])]
 
-    def add(self, parent: int, drafter: int, rank: int, token: int, q: torch.Tensor | None, reach: float,
+    def add(self, parent: int, *, drafter: int, rank: int, token: int, q: torch.Tensor | None, reach: float,
             conf: float | None = None) -> int:
-        """Append a child of ``parent``; returns its index."""
+        """Append a child of ``parent`` (the fields of :class:`Node`, by name); returns its index."""
         score = (1.0 if parent < 0 else self.nodes[parent].score) * (1.0 if conf is None else conf)
         self.nodes.append(Node(token, parent, self.depth(parent) + 1, drafter, rank, q, reach, conf, score))
         if q is None:

@@ -36,7 +36,7 @@ class RerankedTreePolicy(TreePolicy):
             level = []
             for x in frontier:
                 for rank, (token, conf) in enumerate(calls.ranked(tree, x, logits[x], self.top_k), start=1):
-                    child = tree.add(x, 0, rank, token, None, 0.0, conf)
+                    child = tree.add(x, drafter=0, rank=rank, token=token, q=None, reach=0.0, conf=conf)
                     tree.nodes[child].reach = tree.nodes[child].score  # the drafter's own estimate of the path
                     level.append(child)
             frontier = sorted(level, key=lambda j: -tree.nodes[j].score)[: self.top_k]

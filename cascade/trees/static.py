@@ -44,9 +44,11 @@ class StaticTreePolicy(TreePolicy):
     def _children(self, tree: Tree, calls: LevelCalls, node: int, logits: torch.Tensor, count: int) -> list[int]:
         """``count`` children of ``node``, their reach from the learned α̂."""
         if calls.deterministic(0):
-            return [tree.add(node, 0, rank, token, None, tree.reach(node) * self.acceptance.confident(0, conf, rank), conf)
+            return [tree.add(node, drafter=0, rank=rank, token=token, q=None,
+                             reach=tree.reach(node) * self.acceptance.confident(0, conf, rank), conf=conf)
                     for rank, (token, conf) in enumerate(calls.ranked(tree, node, logits, count), start=1)]
         q = calls.q(logits)  # [V]
         depth = tree.depth(node) + 1
-        return [tree.add(node, 0, rank, calls.draw(q), q, tree.reach(node) * self.acceptance.sibling(0, depth, rank))
+        return [tree.add(node, drafter=0, rank=rank, token=calls.draw(q), q=q,
+                         reach=tree.reach(node) * self.acceptance.sibling(0, depth, rank))
                 for rank in range(1, count + 1)]
