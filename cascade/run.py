@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import subprocess
 from importlib.metadata import version
 from pathlib import Path
 
@@ -50,6 +49,8 @@ from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interle
 from cascade.metrics import write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
 from cascade.models.loading import shared_models
+from cascade.models.native import native_kernels, unavailable_reason
+from cascade.provenance import code_state, cpu_identity, linear_kernels
 from cascade.summary import Environment, MethodSummary, RunSummary
 from cascade.types import DrafterInfo, SamplingConfig
 from cascade.verify import VERIFIERS, verifier_named
@@ -118,32 +119,28 @@ def build_method(mcfg: DictConfig, rule: str = "token") -> Method:
     return SpeculativeMethod(None if mcfg.get("drafter") is None else instantiate(mcfg.drafter), verifier_named(rule))
 
 
-def _cpu() -> tuple[str | None, list[str]]:
-    """lscpu's model name and the SIMD flags that decide which kernels are fast (Linux only)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None, []
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), None)
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    return model, simd
-
-
 def _environment(target) -> Environment:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    cpu, flags = _cpu()
+    code, cpu = code_state(), cpu_identity()
+    kernels = native_kernels()
+    isa = {} if kernels is None else {"fp32_fp16w": kernels.isa(), "int8_dot": kernels.int8_dot_isa()}
     return Environment(
         torch=version("torch"),
         transformers=version("transformers"),  # metadata: the lazy module may lack __version__ after unpickling
         python=platform.python_version(), device=str(target.device), dtype=str(target.dtype),
-        threads=torch.get_num_threads(), git_commit=commit, cpu=cpu, cpu_flags=flags,
+        threads=torch.get_num_threads(), git_commit=code.commit, cpu=cpu.model_name, cpu_flags=cpu.flags,
+        git_dirty=code.dirty, git_diff_sha256=code.diff_sha256, cascade=version("cascade"), cpu_vendor=cpu.vendor,
+        cpu_family=cpu.family, cpu_model=cpu.model, cpu_stepping=cpu.stepping, native_isa=isa,
+        native_unavailable=unavailable_reason(), target_kernels=linear_kernels(target.model),
     )
+
+
+def provenance_line(env: Environment) -> str:
+    """The run table's header: the code, the CPU and the kernels that made the numbers."""
+    commit = (env.git_commit or "no commit")[:10] + (f" DIRTY (diff {env.git_diff_sha256})" if env.git_dirty else "")
+    isa = ", ".join(f"{k} {v}" for k, v in env.native_isa.items()) or f"native unavailable: {env.native_unavailable}"
+    kernels = ", ".join(f"{k} x{v}" for k, v in env.target_kernels.items())
+    return (f"# commit {commit} | {env.cpu} (family {env.cpu_family} model {env.cpu_model}) | {env.threads} threads | "
+            f"{isa} | target linears: {kernels} | torch {env.torch}")
 
 
 def _output_dir(cfg: DictConfig) -> Path:
@@ -213,6 +210,7 @@ def run(cfg: DictConfig) -> RunSummary:
     with shared_models():  # methods naming the same model share one copy
         target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
         methods = {name: build_method(mcfg, verify_rule(cfg, mcfg)) for name, mcfg in method_configs(cfg).items()}
+    env = _environment(target)  # before decoding: the code and kernels the numbers come from
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 
@@ -220,13 +218,14 @@ def run(cfg: DictConfig) -> RunSummary:
                               progress=cfg.progress, seed=cfg.seed)
     results = summarize_methods(target, methods, prompt_set, prompts, gens, sampling)
     summary = RunSummary(experiment=cfg.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
-                         environment=_environment(target), baseline=BASELINE, methods=results)
+                         environment=env, baseline=BASELINE, methods=results)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl_atomic(
         out_dir / "steps.jsonl",
         ({"method": n, "prompt": p.id, **s.to_dict()} for n, g in gens.items() for p, gen in zip(prompt_set, g) for s in gen.steps),
     )
     write_json_atomic(out_dir / "summary.json", summary.to_dict())  # last: its presence marks a complete run
+    print(provenance_line(env))
     print(_table(results))
     log.info("results in %s", out_dir)
     return summary

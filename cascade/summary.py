@@ -168,6 +168,16 @@ class Environment:
     git_commit: str | None
     cpu: str | None = None  # lscpu's model name (None off Linux)
     cpu_flags: list[str] = field(default_factory=list)  # the SIMD flags that decide kernel speed
+    git_dirty: bool | None = None  # tracked files differed from git_commit when the run started
+    git_diff_sha256: str | None = None  # a hash of that difference (`git diff HEAD`), when dirty
+    cascade: str | None = None  # the package's version
+    cpu_vendor: str | None = None
+    cpu_family: int | None = None
+    cpu_model: int | None = None
+    cpu_stepping: int | None = None
+    native_isa: dict[str, str] = field(default_factory=dict)  # the native kernels' instruction sets ({} when unavailable)
+    native_unavailable: str | None = None  # why the native kernels are not used, when they are not
+    target_kernels: dict[str, int] = field(default_factory=dict)  # the target's linear layers per kernel class
 
 
 @dataclass
