@@ -3,7 +3,10 @@ verification forward, the drafting, the acceptance rule and the rest of the loop
 observe, records), from the run's ``steps.jsonl`` (the baseline's mean step time is one step);
 then the shape of the drafts: nodes per round, the deepest node, and per round the first
 children (the first child of each parent: a chain's every node) and the siblings below them,
-each with the fraction the target accepted.
+each with the fraction the target accepted; then, for the policies that predict acceptance
+(DyTC), predicted against accepted tokens per node kind (per drafter: first children, siblings
+by rank), over the nodes whose parent was accepted (the ones the target judged), and the share
+of rounds the policy verified one chain on purpose (its guard or its realised-outcome check).
 
     python -m analysis.rounds RUN_DIR
 """
@@ -64,6 +67,32 @@ def draft_shape(steps: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def calibration(steps: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """method -> node kind ("<drafter> first", "<drafter> sibling r2", ...) -> judged nodes, the
+    policy's predicted accepted (the sum of its α̂ given the parent) and the accepted; plus the
+    share of rounds verified as one chain by choice (kind "rounds as chains")."""
+    out: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for s in steps:
+        tree = s.get("tree")
+        if not tree or not tree.get("node_alpha"):
+            continue
+        kinds = out[s["method"]]
+        chains = kinds.setdefault("rounds as chains", {"judged": 0, "predicted": 0.0, "accepted": 0})
+        chains["judged"] += 1
+        chains["accepted"] += tree.get("shape") == "chain"
+        accepted = set(s["accepted_path"])
+        for j, (parent, drafter, rank, alpha) in enumerate(zip(s["parents"], tree["node_drafters"], tree["node_ranks"],
+                                                               tree["node_alpha"])):
+            if parent >= 0 and parent not in accepted:
+                continue  # never judged: its parent was rejected
+            kind = kinds.setdefault(f"{drafter} {'first' if rank == 1 else f'sibling r{rank}'}",
+                                    {"judged": 0, "predicted": 0.0, "accepted": 0})
+            kind["judged"] += 1
+            kind["predicted"] += alpha
+            kind["accepted"] += j in accepted
+    return dict(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
@@ -87,6 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, d in draft_shape(job.steps()).items():
             print(f"{name:16s} {d['rounds']:7d} {d['nodes']:7.2f} {d['depth']:7.2f} {d['first']:7.2f} "
                   f"{d['first_accepted']:7.2f} {d['siblings']:7.2f} {d['siblings_accepted']:7.2f}")
+        for name, kinds in calibration(job.steps()).items():
+            print(f"{name}: predicted vs accepted per node kind (nodes whose parent was accepted)")
+            print(f"  {'kind':34s} {'judged':>7s} {'predicted':>9s} {'accepted':>8s} {'ratio':>6s}")
+            for kind, k in sorted(kinds.items()):
+                if kind == "rounds as chains":
+                    continue
+                ratio = f"{k['predicted'] / k['accepted']:.2f}" if k["accepted"] else "-"
+                print(f"  {kind:34s} {k['judged']:7d} {k['predicted']:9.1f} {k['accepted']:8d} {ratio:>6s}")
+            c = kinds["rounds as chains"]
+            print(f"  rounds verified as one chain by choice: {c['accepted']} of {c['judged']}")
     return 0
 
 

@@ -22,10 +22,9 @@ leaving that cache as they found it, so no level needs to be told what was accep
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from cascade.costs import decode_clock
 from cascade.drafters.base import Drafter, shared_hidden_layer
 from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM, HiddenLayers
@@ -101,12 +100,12 @@ class VerticalCascade(Drafter):
 
         Returns the emitted tokens, the top level's processed distribution at each emitted
         position when sampling ([m, V], else None), and the top level's own time."""
-        t0 = time.perf_counter()
+        t0 = decode_clock()
         self.top.sync(ctx)  # the top's cache must hold a prefix of ctx only (a lower level may share it)
         block = self.lower.propose(ctx, budget - 1) if budget > 1 else DraftBlock.empty(self.lower.name)
         if not block.is_chain:
             raise ValueError(f"{self.lower.name} proposed a token tree: a cascade level verifies chains")
-        t1 = time.perf_counter()
+        t1 = decode_clock()
         logits = self.top.score(ctx, block.tokens.tolist())  # [j+1, V]
         sampling = SamplingConfig() if deterministic else self.sampling
         result = self.verifier.accept(block, logits, sampling, self.generator)
@@ -119,7 +118,7 @@ class VerticalCascade(Drafter):
             for deeper, stats in (own.lower.items() if own is not None else ()):  # already aggregated
                 lower.setdefault(deeper, LevelStats()).add(stats)
         rows = None if deterministic else self._handed_up_q(logits, result)  # [m, V]
-        return emitted, rows, time.perf_counter() - t1
+        return emitted, rows, decode_clock() - t1
 
     def _handed_up_q(self, logits: torch.Tensor, result: VerifyResult) -> torch.Tensor:
         """The law of each token one inner round hands up, [num_accepted + 1, V]: the top level's own
@@ -201,11 +200,11 @@ class HorizontalCascade(Drafter):
             want = min(share + carry, budget - len(tokens))
             if want <= 0:
                 break
-            t0 = time.perf_counter()
+            t0 = decode_clock()
             block = drafter.propose(context + tokens, want)
             if not block.is_chain:
                 raise ValueError(f"{drafter.name} proposed a token tree: a horizontal schedule concatenates chains")
-            spans.append(Segment(drafter.name, len(tokens), block.k, time.perf_counter() - t0))
+            spans.append(Segment(drafter.name, len(tokens), block.k, decode_clock() - t0))
             carry = want - block.k
             tokens += block.tokens.tolist()
             segments.append(block)

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from cascade.costs import ForwardShape, VirtualClock, running_on
 from cascade.drafters.base import Drafter
 from cascade.metrics import summarize
-from cascade.models.lm import CausalLM
+from cascade.models.lm import CausalLM, observe_forwards
 from cascade.sampling import make_generator
 from cascade.summary import RunStats
-from cascade.types import DraftBlock, SamplingConfig, Scored, StepRecord
+from cascade.types import DraftBlock, ForwardCall, SamplingConfig, Scored, StepRecord
 from cascade.verify import EXACT, Verifier, verifier_named
 
 
@@ -38,6 +39,8 @@ class Generation:
     stop_reason: str  # "eos" | "max_new_tokens"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     drafter_prefill_time_s: float = 0.0  # the drafter's catch-up on the prompt (Drafter.prefill)
+    clock: str = "measured"  # "measured" (wall clock) or "predicted:<device>": every time above is a prediction
+    forward_shapes: dict[str, ForwardShape] = field(default_factory=dict)  # each model that ran, as a roofline sees it
 
     def summary(self) -> RunStats:
         return summarize([self])
@@ -107,6 +110,7 @@ def generate(
     progress: bool = False,
     verifier: Verifier | str = EXACT,
     sampling: SamplingConfig | None = None,
+    clock: VirtualClock | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch size 1).
 
@@ -117,6 +121,9 @@ def generate(
     traversal verification, equally exact). ``sampling`` passes the
     temperature / top-k / top-p as one ``SamplingConfig`` (what ``cascade.run`` instantiates from
     the ``sampling`` config group); the three scalars are a shorthand for it, not both.
+    ``clock``: a :class:`~cascade.costs.VirtualClock` makes every recorded time a prediction for
+    its device (each model forward priced by the roofline, plus the device's host work per step);
+    the tokens are the same as without it.
     """
     if sampling is None:
         sampling = SamplingConfig(temperature, top_k, top_p)
@@ -135,10 +142,43 @@ def generate(
         if drafter.drafts_trees and not verifier.trees:
             raise ValueError(f"{drafter.name} drafts token trees, which this verification rule cannot judge "
                              "(block verification judges chains): use traversal verification (verify=traversal)")
-    hidden_layer = drafter.hidden_layer if drafter is not None else None
-
     device = target.device
-    t_start = _now(device)
+    recorder = _ForwardRecorder()
+    with observe_forwards(recorder):
+        if clock is None:
+            gen_out = _decode(target, prompt, drafter, max_new_tokens, sampling, gen, eos, verifier, progress,
+                              lambda: _now(device), None, recorder)
+        else:
+            with observe_forwards(clock.forward), running_on(clock):  # each forward advances the clock by its roofline
+                gen_out = _decode(target, prompt, drafter, max_new_tokens, sampling, gen, eos, verifier, progress,
+                                  clock.now, clock, recorder)
+    gen_out.forward_shapes = recorder.shapes
+    return gen_out
+
+
+class _ForwardRecorder:
+    """The model forwards of the step in progress (``StepRecord.forwards``) and each model's shape."""
+
+    def __init__(self) -> None:
+        self.calls: list[ForwardCall] = []
+        self.shapes: dict[str, ForwardShape] = {}
+
+    def __call__(self, owner, name: str, shape, inputs: int, context: int) -> None:
+        if name not in self.shapes:
+            self.shapes[name] = shape()
+        self.calls.append(ForwardCall(name, inputs, context))
+
+    def take(self) -> list[ForwardCall]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, max_new_tokens: int,
+            sampling: SamplingConfig, gen: torch.Generator, eos: set[int], verifier: Verifier, progress: bool,
+            now, clock: VirtualClock | None, recorder: _ForwardRecorder) -> Generation:
+    """The loop itself, timed by ``now`` (the wall clock, or ``clock``'s predictions)."""
+    hidden_layer = drafter.hidden_layer if drafter is not None else None
+    t_start = now()
     cache = target.new_cache()
     if drafter is not None:
         drafter.bind(target, cache)
@@ -149,32 +189,33 @@ def generate(
     if len(prompt) > 1:
         out = target.forward(prompt[:-1], cache, keep_last=1, return_hidden=hidden_layer)
         hidden = out[1] if hidden_layer is not None else None
-    t_prefilled = _now(device)
+    t_prefilled = now()
     if drafter is not None:
         drafter.prefill(prompt, hidden=hidden)
-    t_ready = _now(device)
+    t_ready = now()
 
+    recorder.take()  # the prefills' forwards are not a step's
     seq, new, steps = list(prompt), [], []
     stop_reason = "max_new_tokens"
     bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not progress, leave=False)
     while len(new) < max_new_tokens:
-        t0 = _now(device)
+        t0 = now()
         # 1. propose: never deeper than can still be emitted (one slot is kept for the bonus token)
         budget = max_new_tokens - len(new) - 1
         block = drafter.propose(seq, budget) if drafter is not None and budget > 0 else DraftBlock.empty()
         if block.depth > budget:
             raise RuntimeError(f"drafter {block.drafter!r} proposed {block.depth} tokens deep with a budget of {budget}")
         draft = block.tokens.tolist()
-        t1 = _now(device)
+        t1 = now()
         # 2. verify: one target forward over [last] + draft -> logits [n+1, V] (a tree with its
         #    positions and tree-attention mask)
         past, root = len(seq) - 1, seq[-1]
         out = verifier.forward(target, cache, root, block, return_hidden=hidden_layer)
         logits, hidden = out if hidden_layer is not None else (out, None)
-        t2 = _now(device)
+        t2 = now()
         # 3. accept
         result = verifier.accept(block, logits, sampling, gen)
-        t_accepted = _now(device)
+        t_accepted = now()
         # 4. commit: the cache keeps the sequence plus the accepted path (compacted in place)
         keep = verifier.commit(target, cache, past, result)
         accepted = [draft[i] for i in result.path]
@@ -186,7 +227,9 @@ def generate(
         if drafter is not None:
             drafter.observe(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep],
                             scored=Scored([root] + draft, logits))
-        t3 = _now(device)
+        if clock is not None:
+            clock.host(clock.device.host_step_s)
+        t3 = now()
         steps.append(
             StepRecord(
                 step=len(steps), drafter=block.drafter, drafted=block.k, accepted=result.num_accepted,
@@ -194,6 +237,7 @@ def generate(
                 target_argmax=logits.argmax(-1).tolist(), draft_time_s=t1 - t0, target_time_s=t2 - t1,
                 step_time_s=t3 - t0, parents=list(block.parents), accepted_path=list(result.path), stop=block.stop,
                 cascade=block.cascade, segments=block.segments, tree=block.tree, accept_time_s=t_accepted - t2,
+                forwards=recorder.take(),
             )
         )
         bar.update(len(emitted))
@@ -201,5 +245,5 @@ def generate(
             stop_reason = "eos"
             break
     bar.close()
-    return Generation(new, len(prompt), steps, _now(device) - t_start, t_prefilled - t_start, stop_reason, sampling,
-                      drafter_prefill_time_s=t_ready - t_prefilled)
+    return Generation(new, len(prompt), steps, now() - t_start, t_prefilled - t_start, stop_reason, sampling,
+                      drafter_prefill_time_s=t_ready - t_prefilled, clock="measured" if clock is None else clock.label)

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 from tqdm.auto import tqdm
 
+from cascade.costs import VirtualClock
 from cascade.data import Prompt
 from cascade.decode import Generation, generate
 from cascade.drafters.base import Drafter
@@ -41,7 +42,7 @@ BASELINE = "ar"
 
 class Method(Protocol):
     def decode(self, target: CausalLM, ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
-               seed: int) -> Generation: ...
+               seed: int, clock: VirtualClock | None = None) -> Generation: ...
 
     def describe(self, name: str) -> DrafterInfo: ...
 
@@ -56,9 +57,9 @@ class SpeculativeMethod:
     verifier: Verifier = EXACT  # the target's verification rule (cascade.verify.VERIFIERS)
     model: CausalLM | None = None  # None: the run's target
 
-    def decode(self, target, ids, max_new_tokens, sampling, seed):
+    def decode(self, target, ids, max_new_tokens, sampling, seed, clock=None):
         return generate(self.model or target, ids, drafter=self.drafter, max_new_tokens=max_new_tokens, seed=seed,
-                        sampling=sampling, verifier=self.verifier)
+                        sampling=sampling, verifier=self.verifier, clock=clock)
 
     def describe(self, name: str) -> DrafterInfo:
         if self.drafter is None:
@@ -95,7 +96,9 @@ class TransformersGenerate:
                 kw["max_matching_ngram_size"] = self.max_matching_ngram_size
         return kw
 
-    def decode(self, target, ids, max_new_tokens, sampling, seed):
+    def decode(self, target, ids, max_new_tokens, sampling, seed, clock=None):
+        if clock is not None:
+            raise ValueError("transformers' generate cannot run on a virtual clock (its forwards are not priced)")
         lm = self.model or target
         inp = torch.tensor([ids], device=lm.device)
         torch.manual_seed(seed)  # transformers samples from the global generator
@@ -117,17 +120,21 @@ class TransformersGenerate:
 
 def decode_interleaved(target: CausalLM, methods: dict[str, Method], prompts: list[list[int]], max_new_tokens: int,
                        sampling: SamplingConfig, *, warmup: bool = True, progress: bool = True,
-                       seed: int = 0) -> dict[str, list[Generation]]:
+                       seed: int = 0, device: str | None = None) -> dict[str, list[Generation]]:
     """Every method on every prompt, interleaved prompt by prompt so that machine noise hits all
     methods alike, after one short warm-up generation per method. Prompt i is decoded with seed
-    ``seed + i``. Returns name -> [Generation per prompt]."""
+    ``seed + i``. ``device``: every generation on a virtual clock of that device
+    (``cascade.costs``: its times are predictions). Returns name -> [Generation per prompt]."""
+    def clock() -> VirtualClock | None:
+        return None if device is None else VirtualClock(device)
+
     if warmup:
         for method in methods.values():
-            method.decode(target, prompts[0][:32], min(8, max_new_tokens), sampling, 0)
+            method.decode(target, prompts[0][:32], min(8, max_new_tokens), sampling, 0, clock())
     gens: dict[str, list[Generation]] = {name: [] for name in methods}
     for i, ids in enumerate(tqdm(prompts, desc="prompts", disable=not progress)):
         for name, method in methods.items():
-            gens[name].append(method.decode(target, ids, max_new_tokens, sampling, seed + i))
+            gens[name].append(method.decode(target, ids, max_new_tokens, sampling, seed + i, clock()))
     return gens
 
 

@@ -44,6 +44,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from cascade import dirnames  # noqa: F401  (registers the job_dirname resolver hydra.sweep.subdir uses)
+from cascade.costs import DEVICES
 from cascade.data import encode, load_prompts
 from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interleaved, summarize_methods
 from cascade.metrics import write_json_atomic, write_jsonl_atomic
@@ -92,9 +93,15 @@ def validate(cfg: DictConfig) -> SamplingConfig:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"missing required value(s): {', '.join(missing)} (set them on the command line, e.g. {missing[0]}=...)")
+    device = cfg.get("device_model")
+    if device is not None and device not in DEVICES:
+        raise ConfigError(f"device_model: unknown device {device!r} (one of {', '.join(sorted(DEVICES))}; cascade/costs.py)")
     for name, mcfg in method_configs(cfg).items():
         if mcfg.get("drafter") is not None and mcfg.get("generate") is not None:
             raise ConfigError(f"method {name!r} sets both drafter and generate; a method is one or the other")
+        if device is not None and mcfg.get("generate") is not None:
+            raise ConfigError(f"method {name!r} runs transformers' generate, whose forwards a virtual clock cannot price: "
+                              f"drop it from a device_model={device} run (~methods.{name})")
         rule = verify_rule(cfg, mcfg)
         if rule not in VERIFIERS:
             raise ConfigError(f"method {name!r}: unknown verification rule {rule!r} (verify= one of {', '.join(VERIFIERS)})")
@@ -143,6 +150,21 @@ def provenance_line(env: Environment) -> str:
             f"{isa} | target linears: {kernels} | torch {env.torch}")
 
 
+def _refuse_dirty_results(out_dir: Path, allow: bool) -> None:
+    """``results/`` holds what the docs cite: a run from uncommitted code may not write there
+    (its commit would not pin its code) unless ``allow_dirty=true``; ``outputs/`` takes anything."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        inside = out_dir.resolve().is_relative_to(repo / "results")
+    except OSError:
+        inside = False
+    if inside and not allow:
+        code = code_state(repo)
+        if code.dirty:
+            raise ConfigError(f"{out_dir} is under results/ but the checkout has uncommitted changes (diff "
+                              f"{code.diff_sha256}): commit first, or write under outputs/ (allow_dirty=true forces it)")
+
+
 def _output_dir(cfg: DictConfig) -> Path:
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
@@ -159,12 +181,13 @@ def _with_retokenization(info: DrafterInfo) -> list[DrafterInfo]:
     return own + [d for p in info.parts for d in _with_retokenization(p)]
 
 
-def _table(results: dict[str, MethodSummary]) -> str:
+def _table(results: dict[str, MethodSummary], predicted: bool = False) -> str:
     """alpha: a chain's acceptance; a tree's (accepted path / nodes) is shown as `tree 0.xxx`.
     speedup: tok/s of whole calls (prefill included) over the baseline's; decode: the same without
     the prefills; decomposed: the in-sample per-depth decomposition; predicted / measured: the second half of
     the prompts, predicted from the first half; same: greedy outputs identical to the baseline's."""
-    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {'tok/s':>8s} {'speedup':>8s} {'decode':>7s} {'decomposed':>10s} "
+    rate = "pred tok/s" if predicted else "tok/s"
+    lines = [f"{'method':16s} {'tau':>6s} {'alpha':>10s} {rate:>8s} {'speedup':>8s} {'decode':>7s} {'decomposed':>10s} "
              f"{'2nd half: predicted':>19s} {'measured':>8s} {'same':>5s}"]
     for name, r in results.items():
         s = r.stats
@@ -202,6 +225,7 @@ def run(cfg: DictConfig) -> RunSummary:
     out_dir = _output_dir(cfg)
     if (out_dir / "summary.json").exists() and not cfg.overwrite:
         raise FileExistsError(f"{out_dir / 'summary.json'} exists: refusing to mix runs (pass overwrite=true)")
+    _refuse_dirty_results(out_dir, cfg.get("allow_dirty", False))
     ds = cfg.dataset
     prompt_set = load_prompts(ds.name, ds.num_prompts, ds.path, ds.field, ds.get("per_category", 3))  # before any model loads
     torch.set_num_threads(cfg.threads)
@@ -214,11 +238,14 @@ def run(cfg: DictConfig) -> RunSummary:
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 
+    device = cfg.get("device_model")
     gens = decode_interleaved(target, methods, prompts, ds.max_new_tokens, sampling, warmup=cfg.warmup,
-                              progress=cfg.progress, seed=cfg.seed)
+                              progress=cfg.progress, seed=cfg.seed, device=device)
     results = summarize_methods(target, methods, prompt_set, prompts, gens, sampling)
+    clock = next(iter(gens.values()))[0].clock
+    shapes = {name: shape for g in gens.values() for gen in g for name, shape in gen.forward_shapes.items()}
     summary = RunSummary(experiment=cfg.experiment_name, config=OmegaConf.to_container(cfg, resolve=True),
-                         environment=env, baseline=BASELINE, methods=results)
+                         environment=env, baseline=BASELINE, methods=results, clock=clock, forward_shapes=shapes)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl_atomic(
         out_dir / "steps.jsonl",
@@ -226,7 +253,10 @@ def run(cfg: DictConfig) -> RunSummary:
     )
     write_json_atomic(out_dir / "summary.json", summary.to_dict())  # last: its presence marks a complete run
     print(provenance_line(env))
-    print(_table(results))
+    if clock != "measured":
+        print(f"# PREDICTED, not measured: every time, tok/s and speedup below is a virtual clock's ({clock}; "
+              "roofline: cascade/costs.py); the tokens are real")
+    print(_table(results, predicted=clock != "measured"))
     log.info("results in %s", out_dir)
     return summary
 

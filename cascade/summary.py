@@ -18,6 +18,7 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field
 
+from cascade.costs import ForwardShape
 from cascade.types import DrafterInfo
 
 
@@ -189,6 +190,8 @@ class RunSummary:
     environment: Environment
     baseline: str
     methods: dict[str, MethodSummary]
+    clock: str = "measured"  # "measured", or "predicted:<device>": every time and speed in it is a roofline's prediction
+    forward_shapes: dict[str, ForwardShape] = field(default_factory=dict)  # each model that ran (steps' forwards name them)
 
     # the config echo is free-form (each group has its own keys); these are the facts readers need
     @property

@@ -115,6 +115,9 @@ class TreeDrafter(Drafter):
             drafter_forwards=tree.forwards,
             drafter_seconds=self._seconds_by_drafter(tree),
             estimates=self.policy.estimates(),
+            node_ranks=[n.rank for n in nodes],
+            node_alpha=[round(n.reach / tree.reach(n.parent), 4) if tree.reach(n.parent) > 0 else 0.0 for n in nodes],
+            shape=self.policy.last_shape,
         )
         return DraftBlock(tokens, q, self.name, parents=parents, tree=stats)
 

@@ -95,6 +95,7 @@ class PolicyEstimates:
     drafter_cost_s: dict[str, float] = field(default_factory=dict)  # forward-free drafter -> seconds per proposal
     forward_curve_s: dict[str, dict[int, float]] = field(default_factory=dict)  # LM drafter -> width -> seconds
     verify_curve_s: dict[int, float] | None = None  # the target's forward: input count -> seconds
+    realised: dict[str, float | None] = field(default_factory=dict)  # DyTC's realised-outcome check: tokens/s per drafting mode
 
 
 @dataclass
@@ -106,6 +107,9 @@ class TreeStats:
     drafter_forwards: int = 0  # LM drafter forwards spent growing it (at most one per depth and drafter)
     drafter_seconds: dict[str, float] = field(default_factory=dict)  # time of each drafter's calls growing it
     estimates: PolicyEstimates = field(default_factory=PolicyEstimates)  # the policy's α̂ / cost estimates
+    node_ranks: list[int] = field(default_factory=list)  # [n] 1: its drafter's first child of its parent; r: the r-th
+    node_alpha: list[float] = field(default_factory=list)  # [n] the policy's α̂ of the node given its parent is accepted
+    shape: str = "tree"  # what the policy chose to verify: "tree", or "chain" (its guard or its realised-outcome check)
 
 
 @dataclass
@@ -247,6 +251,15 @@ class VerifyResult:
 
 
 @dataclass
+class ForwardCall:
+    """One model forward inside a decoding step (what a roofline prices: ``cascade.costs``)."""
+
+    model: str  # the model's (or draft head's) name; its shape is in the run summary's ``forward_shapes``
+    inputs: int
+    context: int  # cached positions it attended to
+
+
+@dataclass
 class StepRecord:
     """One decoding step (one target forward). Times are wall-clock seconds.
 
@@ -273,6 +286,7 @@ class StepRecord:
     segments: list[Segment] = field(default_factory=list)
     tree: TreeStats | None = None
     accept_time_s: float = 0.0  # the acceptance rule's own time (step 3: p from the logits, judging, the draw)
+    forwards: list[ForwardCall] = field(default_factory=list)  # every model forward of the step, in order
 
     @property
     def overhead_time_s(self) -> float:

@@ -17,7 +17,12 @@ Steps (each timed; a failing step is reported and the others still run; exit sta
    broken batching, not a slow machine;
 5. the main job, ``python -m cascade.run +experiment=csd_two_level``: it must exit 0 and its
    summary must show every greedy method's tokens equal to the baseline's on every prompt, a
-   divergence passing only at a near-tie (the target's top-2 gap there).
+   divergence passing only at a near-tie (the target's top-2 gap there);
+6. the roofline's prediction against this device: ``bench/dytc_device`` (chains, DyTC over the
+   head, the quantized 0.5B and prompt lookup; 4 HumanEval prompts, an untrained head) measured
+   here, and on a virtual clock of the device table's entry for this GPU (``cascade/costs.py``:
+   ``h100`` or ``a100`` by name); per method the predicted and the measured decode speedup and
+   their ratio (reported, not asserted: the measurement the prediction has never had).
 
 Default: the Qwen2.5-Coder pair in bf16 on CUDA (``models.device=cuda``). ``--tiny``: the same
 steps with tiny random models on the CPU in float32 (what the default test suite runs, so the
@@ -183,6 +188,37 @@ def main_job_problems(summary_path: Path, near_tie: float) -> list[str]:
     return problems
 
 
+def device_entry(gpu: str) -> str:
+    """The DEVICES entry whose roofline predicts this GPU (by its name; h100 when unknown)."""
+    return "a100" if "A100" in gpu.upper() else "h100"
+
+
+def roofline_prediction(tiny: bool, device: str, run_dir: Path, entry: str):
+    """bench/dytc_device measured on ``device`` and on ``entry``'s virtual clock; the two decode
+    speedups per method side by side."""
+    from cascade.results import load_jobs
+
+    common = [sys.executable, "-m", "cascade.run", "+experiment=bench/dytc_device", "progress=false", "overwrite=true",
+              "dataset=humaneval", "dataset.num_prompts=4", "models.head=init"]
+    common += ["debug=tiny"] if tiny else ["models.device=" + device, "models.dtype=bfloat16", "models.drafter_dtype=bfloat16"]
+    speed = {}
+    for label, extra in (("measured", []), ("predicted", [f"device_model={entry}"])):
+        out_dir = run_dir / label
+        proc = subprocess.run(common + extra + [f"hydra.run.dir={out_dir}"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=1800)
+        if proc.returncode != 0:
+            return "```\n" + proc.stderr[-3000:] + "\n```", False
+        run = load_jobs(out_dir)[0][0].summary
+        speed[label] = {m: r.decode_speedup for m, r in run.methods.items()}
+    rows = ["| method | measured decode speedup | PREDICTED (" + entry + " roofline) | predicted / measured |",
+            "| --- | --- | --- | --- |"]
+    for m, measured in speed["measured"].items():
+        predicted = speed["predicted"].get(m)
+        ratio = "-" if not (predicted and measured) else f"{predicted / measured:.2f}"
+        rows.append(f"| {m} | {measured:.2f}x | {predicted:.2f}x | {ratio} |")
+    return "\n".join(rows), True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the suite's check of this script)")
@@ -227,6 +263,9 @@ def main() -> int:
         target, {f"{quant} chain": lambda: QuantizedLMDrafter(drafter_lm, quant, k=4)}, prompt_set, prompts, n, dtype))
     report.step(f"4. forward cost ({dtype})", lambda: forward_cost(target, repeats=25 if tiny else 5))
     report.step("5. the main job", lambda: main_job(tiny, device, out.parent / (out.stem + "_run"), NEAR_TIE[dtype]))
+    entry = device_entry(gpu)
+    report.step(f"6. the {entry} roofline's prediction against this device", lambda: roofline_prediction(
+        tiny, device, out.parent / (out.stem + "_roofline"), entry))
     report.lines += ["Failed: " + (", ".join(report.failed) if report.failed else "none"), ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(report.lines))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["1. greedy equality", "2. deep chi-square", "3. quantized drafter", "4. forward cost", "5. the main job"]
+STEPS = ["1. greedy equality", "2. deep chi-square", "3. quantized drafter", "4. forward cost", "5. the main job",
+         "6. the h100 roofline"]
 
 
 def _run(tmp_path, *args, timeout):

@@ -3,6 +3,8 @@ kernels a model's linears run on, in every summary and the run table's header.""
 
 import subprocess
 
+import pytest
+
 from torch import nn
 
 import cascade.run as run_mod
@@ -67,3 +69,18 @@ def test_summary_and_header_carry_provenance(tmp_path, capsys):
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("# commit ") and f"family {env.cpu_family}" in header
     assert ("DIRTY (diff " + str(env.git_diff_sha256)) in header if env.git_dirty else "DIRTY" not in header
+
+
+def test_a_dirty_checkout_may_not_write_under_results(tmp_path, monkeypatch):
+    """results/ holds what the docs cite: uncommitted code is refused there, before any model loads."""
+    import cascade.provenance as prov
+
+    monkeypatch.setattr(run_mod, "code_state", lambda repo=None: prov.CodeState("abc", True, "feedbeef"))
+    target = run_mod.Path(run_mod.__file__).resolve().parents[1] / "results" / "never_written"
+    loaded = []
+    monkeypatch.setattr(run_mod, "load_model", lambda *a, **k: loaded.append(a))
+    with pytest.raises(run_mod.ConfigError, match="uncommitted changes .diff feedbeef"):
+        run_mod.run(_cfg("+experiment=ar", "debug=tiny", f"output_dir={target}"))
+    assert not loaded and not target.exists()
+    run_mod._refuse_dirty_results(tmp_path, allow=False)  # anywhere else: fine
+    run_mod._refuse_dirty_results(target, allow=True)  # forced

@@ -10,7 +10,8 @@ import torch
 
 from cascade import generate
 from cascade.drafters import LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter
-from cascade.estimators import AcceptanceTable, CostCurve
+from cascade.costs import RobustCurve
+from cascade.estimators import AcceptanceTable
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.tree import children_of, depths_of, path_to, tree_mask, tree_positions
 from cascade.tree_drafter import TreeDrafter
@@ -127,8 +128,16 @@ def _trees(target, close):
     return {
         "static_chain": lambda: TreeDrafter([SmallLMDrafter(close)], StaticTreePolicy((1, 1, 1, 1))),
         "static_wide": lambda: TreeDrafter([SmallLMDrafter(close)], StaticTreePolicy((4, 2, 1))),
-        "dynamic_lm": lambda: TreeDrafter([SmallLMDrafter(close)], DynamicTreePolicy(t_min=0.3, max_nodes=10, measure_costs=False)),
+        # guard=False, realised_window=0: the policy's trees as grown (the guarantee would verify
+        # chains of them), so that branching trees are judged here; dynamic_guarded: with it
+        "dynamic_lm": lambda: TreeDrafter([SmallLMDrafter(close)], DynamicTreePolicy(
+            t_min=0.3, max_nodes=10, measure_costs=False, guard=False, realised_window=0)),
         "dynamic_mixed": lambda: TreeDrafter(
+            [SmallLMDrafter(close), NGramDrafter(k=3), LayerSkipDrafter(1)],
+            DynamicTreePolicy(t_min=0.2, max_nodes=16, measure_costs=False, prior_drafter_cost=0.05, prior_verify_slope=0.01,
+                              guard=False, realised_window=0),
+        ),
+        "dynamic_guarded": lambda: TreeDrafter(
             [SmallLMDrafter(close), NGramDrafter(k=3), LayerSkipDrafter(1)],
             DynamicTreePolicy(t_min=0.2, max_nodes=16, measure_costs=False, prior_drafter_cost=0.05, prior_verify_slope=0.01),
         ),
@@ -160,7 +169,7 @@ def test_tree_greedy_equals_autoregressive(name, tiny_target, tiny_close_drafter
     if name == "dynamic_measured":
         return
     assert accepted > 0
-    assert any(s.drafted > max(depths_of(s.parents), default=0) for s in sp.steps) or name == "static_chain"
+    assert any(s.drafted > max(depths_of(s.parents), default=0) for s in sp.steps) or name in ("static_chain", "dynamic_guarded")
     # level by level: an LM drafter runs at most one forward per depth (the reranked tree grows
     # its levels, then may drop the deepest nodes)
     for s in sp.steps:
@@ -247,20 +256,44 @@ def test_siblings_are_calibrated_apart_from_first_children():
 
 
 def test_cost_curve_is_piecewise_and_monotone():
-    curve = CostCurve()
+    curve = RobustCurve()
+
+    def t(n):
+        return curve.predict(n).seconds
+
     assert curve.predict(3) is None
     curve.update(1, 0.10)
-    assert curve.predict(1) == 0.10 and abs(curve.predict(2) - 0.20) < 1e-12  # one size: proportional
-    for n, t in ((4, 0.12), (8, 0.20), (16, 0.36)):  # flat-ish, then steep (a bandwidth-bound forward)
-        curve.update(n, t)
-    assert abs(curve.predict(2) - (0.10 + 0.02 / 3)) < 1e-12
-    assert abs(curve.predict(12) - 0.28) < 1e-12
-    assert abs(curve.predict(20) - 0.44) < 1e-12  # beyond the largest: the last segment's slope
-    assert curve.predict(0) == 0.10
+    assert t(1) == 0.10 and abs(t(2) - 0.20) < 1e-12  # one size: proportional
+    for n, s in ((4, 0.12), (8, 0.20), (16, 0.36)):  # flat-ish, then steep (a bandwidth-bound forward)
+        curve.update(n, s)
+    assert abs(t(2) - (0.10 + 0.02 / 3)) < 1e-12
+    assert abs(t(12) - 0.28) < 1e-12
+    assert abs(t(20) - 0.44) < 1e-12  # beyond the largest: the last segment's slope
+    assert t(0) == 0.10
     curve.update(6, 0.05)  # a noisy small reading never makes a larger forward cheaper
-    assert curve.predict(6) >= curve.predict(4)
-    curve.update(4, 0.20)  # EMA per size
-    assert abs(curve.seconds[4] - (0.8 * 0.12 + 0.2 * 0.20)) < 1e-12
+    assert t(6) >= t(4)
+    curve.update(4, 0.20)  # per size: the median of its window's samples
+    curve.update(4, 0.13)
+    assert curve._stats(4)[0] == 0.13
+    curve.update(4, float("nan"))  # a broken timing is not a sample
+    assert len(curve.samples[4]) == 3
+
+
+def test_cost_curve_median_ignores_a_busy_host_and_keeps_its_spread():
+    """Fewer than half of a size's samples slowed by other work keep its estimate among the quiet ones; the
+    window's spread is the estimate's standard error (what DyTC's guard weighs a tree against)."""
+    quiet, busy = RobustCurve(), RobustCurve()
+    for i in range(16):
+        for n in (1, 8):
+            base = 0.100 if n == 1 else 0.120
+            quiet.update(n, base + 0.001 * (i % 3))
+            busy.update(n, base * 1.6 if i % 3 == 0 else base + 0.001 * (i % 3))  # 6 of 16 samples 60% slow
+    assert quiet.predict(8).seconds == 0.121
+    assert busy.predict(8).seconds <= 0.122 + 1e-12  # within the quiet samples (their mean would be 0.148)
+    spread = RobustCurve()
+    for i in range(16):
+        spread.update(8, 0.100 + 0.01 * (i % 5))  # a host whose speed wanders by 40%
+    assert 0 < quiet.predict(8).sd < spread.predict(8).sd  # a noisier window: a wider error
 
 
 def test_dytc_prices_the_first_nodes_as_measured():
@@ -268,7 +301,7 @@ def test_dytc_prices_the_first_nodes_as_measured():
     policy = DynamicTreePolicy()
     policy.setup(["d"], None)
     for n, t in ((1, 0.120), (2, 0.125), (4, 0.135), (8, 0.190), (16, 0.300), (32, 0.650)):
-        policy.prices.verify_seconds.update(n, t)
+        policy.prices.costs.observe_verify(n, t)
     first = policy.prices.verify_per_node(0)  # a tree of 0 nodes gets its first: t(2) - t(1)
     assert abs(first - 0.005 / 0.120) < 1e-9
     assert abs(policy.prices.verify_per_node(10) - (0.3 - 0.19) / 8 / 0.12) < 1e-9
@@ -285,7 +318,7 @@ def test_dytc_prices_a_node_at_the_size_trees_end_at():
         p = DynamicTreePolicy(**kw)
         p.setup(["d"], None)
         for n, t in ((1, 0.100), (2, 0.101), (3, 0.102), (5, 0.142), (7, 0.182), (9, 0.222)):
-            p.prices.verify_seconds.update(n, t)  # flat to 3 inputs, then 0.02 s per input
+            p.prices.costs.observe_verify(n, t)  # flat to 3 inputs, then 0.02 s per input
         return p
 
     by_size, by_position = policy(), policy(price_at_tree_size=False)
@@ -304,43 +337,44 @@ def test_cost_curve_spreads_a_step_and_pools_an_outlier():
     """A forward whose time steps up (2 -> 3 inputs: +0.06 s, then flat to 8) prices each node up
     to 8 at its share of the step (the lower convex hull), so a node-by-node rule can reach the
     cheap nodes behind the step; one slow reading does not raise the larger sizes to it."""
-    curve = CostCurve()
+    curve = RobustCurve()
     for n, t in ((1, 0.12), (2, 0.13), (3, 0.19), (4, 0.19), (6, 0.19), (8, 0.19), (16, 0.35)):
         curve.update(n, t)
-    slopes = [curve.predict(n + 1) - curve.predict(n) for n in range(1, 16)]
+    slopes = [curve.predict(n + 1).seconds - curve.predict(n).seconds for n in range(1, 16)]
     assert all(abs(s - 0.01) < 1e-12 for s in slopes[:7])  # (0.19 - 0.12) / 7 each, not 0.06 at the step
     assert all(b >= a - 1e-12 for a, b in zip(slopes, slopes[1:]))  # marginal prices rise with n
-    assert curve.predict(1) == 0.12 and abs(curve.predict(8) - 0.19) < 1e-12 and abs(curve.predict(16) - 0.35) < 1e-12
+    assert curve.predict(1).seconds == 0.12 and abs(curve.predict(8).seconds - 0.19) < 1e-12
+    assert abs(curve.predict(16).seconds - 0.35) < 1e-12
 
-    noisy = CostCurve()
+    noisy = RobustCurve()
     for _ in range(3):
         for n, t in ((1, 0.12), (2, 0.125), (4, 0.135), (6, 0.15), (8, 0.17)):
             noisy.update(n, t)
     noisy.update(3, 0.30)  # once, disturbed
-    assert noisy.predict(4) < 0.2 and noisy.predict(8) < 0.2  # (a running maximum put both at 0.30)
-    assert all(b >= a for (_, a), (_, b) in zip(noisy.points(), noisy.points()[1:]))
+    assert noisy.predict(4).seconds < 0.2 and noisy.predict(8).seconds < 0.2  # (a running maximum put both at 0.30)
+    assert all(b >= a for (_, a, _), (_, b, _) in zip(noisy.points(), noisy.points()[1:]))
 
 
 def test_cost_curve_forgets_sizes_no_longer_measured():
     """A calibration point the policy never visits again (one input, timed at a faster moment of
     the host) leaves the curve once ``window`` live measurements have come: the live verifications
     (flat at 0.070 s over 2-9 inputs) then set both the step and the price of a node."""
-    curve = CostCurve()  # the window the policies use: 32 updates
-    assert curve.window == 32
+    curve = RobustCurve()  # the window the policies use: 48 updates
+    assert curve.window == 48
     for n, t in ((1, 0.045), (2, 0.047), (4, 0.049), (8, 0.065), (16, 0.113)):  # calibration
         curve.update(n, t)
     live = [(2 + i % 8, 0.070 + 0.0005 * (i % 8)) for i in range(80)]  # 10 per size
     for n, t in live[:20]:
         curve.update(n, t)
-    assert curve.predict(1) == 0.045 and 1 in curve.current()  # within the window: still used
+    assert curve.predict(1).seconds == 0.045 and 1 in curve.current()  # within the window: still used
     for n, t in live[20:]:
         curve.update(n, t)
     assert curve.current() == list(range(2, 10)) and curve.sizes == 8
-    assert abs(curve.predict(1) - curve.predict(2)) < 1e-12 and curve.predict(1) > 0.066  # flat below
-    slope = (curve.predict(9) - curve.predict(2)) / 7
+    assert abs(curve.predict(1).seconds - curve.predict(2).seconds) < 1e-12 and curve.predict(1).seconds > 0.066  # flat below
+    slope = (curve.predict(9).seconds - curve.predict(2).seconds) / 7
     assert 0 <= slope < 0.001  # each node ~0.0005 s, not the 0.003 s the stale point at 1 made it
     with pytest.raises(ValueError, match="window"):
-        CostCurve(window=0)
+        RobustCurve(window=0)
 
 
 def test_bad_policies():
@@ -453,7 +487,7 @@ def test_prefill_call_does_not_set_the_cost_estimate(tiny_target, tiny_close_dra
     The drafter's catch-up on the prompt is now its own timed step (Drafter.prefill)."""
     drafter = TreeDrafter([_SlowFirstCall(tiny_close_drafter)], DynamicTreePolicy(t_min=0.3, max_nodes=8, calibrate=True))
     out = generate(tiny_target, [1, 2, 3, 4], drafter=drafter, max_new_tokens=20, stop_on_eos=False)
-    times = [t for _, t in drafter.policy.prices.forward_seconds[drafter.names[0]].obs]
+    times = [t for xs in drafter.policy.prices.costs.forward_curves[drafter.names[0]].samples.values() for t in xs]
     assert times and max(times) < 0.1  # the forward-cost fit never saw the prompt's catch-up
     assert sum(s.drafted for s in out.steps) > 0
     assert out.drafter_prefill_time_s >= 0.3  # the slow call happened, in the prefill step

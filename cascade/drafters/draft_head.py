@@ -24,12 +24,14 @@ nobody hands it the target's features there (refused by ``VerticalCascade``).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from cascade.costs import ForwardShape, linear_bytes
 from cascade.drafters.lm_base import LMDrafter, TreeCacheState
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.draft_head import DraftHead
 from cascade.models.eagle3 import Eagle3Head, open_head
-from cascade.models.lm import FINAL_HIDDEN, CausalLM, HiddenLayers
+from cascade.models.lm import FINAL_HIDDEN, CausalLM, HiddenLayers, notify_forward
 from cascade.types import SamplingConfig, Scored
 
 
@@ -91,11 +93,20 @@ class DraftHeadDrafter(LMDrafter):
             self._feats = hidden if self._feats is None else torch.cat([self._feats, hidden])
 
     # ---- the head's forwards ------------------------------------------------------------------
+    def forward_shape(self) -> ForwardShape:
+        """One head forward as a roofline sees it: the head's layer(s) and the LM head it reads out through."""
+        nbytes, count = linear_bytes(nn.ModuleList([self.head, self._readout]))
+        target = ForwardShape.of(self.model)
+        per_layer = target.kv_values_per_position // target.layers
+        return ForwardShape(nbytes, count, 1, per_layer, target.attention_flops_per_position / target.layers)
+
     @torch.inference_mode()
     def _step(self, features: torch.Tensor, tokens: list[int], positions: torch.Tensor,
               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed (features [n, H], tokens [n]) at head ``positions`` [n] -> (predicted features
         [n, H], logits [n, V])."""
+        if self._cache is not None:
+            notify_forward(self.head, f"head:{self.model.name}", self.forward_shape, len(tokens), self.head.cache_len(self._cache))
         out = self.head(self.model, features, torch.tensor(tokens), positions, self._cache, mask)  # [n, H]
         return out, self._readout(out.to(self.model.dtype))
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cascade.costs import ForwardShape
 from cascade.drafters.base import Drafter
 from cascade.drafters.stopping import FixedK, StopPolicy, make_stop_policy
 from cascade.models.lm import CausalLM
@@ -112,6 +113,10 @@ class LMDrafter(Drafter):
         self.stop: StopPolicy = make_stop_policy(stop, stop_below)
         self._compatible_with: set[int] = set()
         self._tree: TreeCacheState | None = None
+
+    def forward_shape(self) -> ForwardShape:
+        """One of its forwards as a roofline sees it (``cascade.costs``): its model's, by default."""
+        return ForwardShape.of(self.model)
 
     def check_compatible(self, target: CausalLM) -> None:
         if id(target) not in self._compatible_with:

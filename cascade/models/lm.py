@@ -18,6 +18,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 # FINAL_HIDDEN (return_hidden's "after the final norm") is defined beside the direct forward
+from cascade.costs import ForwardShape
 from cascade.models.direct import FINAL_HIDDEN, DirectDecoder, checked_direct_decoder
 from cascade.models.kv_cache import PreallocatedLayer
 from cascade.models.lean import LeanDecoder
@@ -33,6 +34,32 @@ def hidden_layers(return_hidden: HiddenLayers) -> tuple[int, ...]:
     if return_hidden is None:
         return ()
     return tuple(return_hidden) if isinstance(return_hidden, tuple) else (return_hidden,)
+
+
+# Who is told of every model forward (a virtual clock prices them: ``cascade.costs.VirtualClock``):
+# callbacks ``(owner, name, shape, inputs, context)``, registered for a block by ``observe_forwards``;
+# ``owner`` is the model (or draft head) that ran, ``shape()`` computes its ``ForwardShape``.
+_FORWARD_OBSERVERS: list = []
+
+
+@contextmanager
+def observe_forwards(callback):
+    """Within: ``callback(owner, name, shape, inputs, context)`` at every ``CausalLM.forward`` of
+    any model and every draft head's forward (``notify_forward``)."""
+    _FORWARD_OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _FORWARD_OBSERVERS.remove(callback)
+
+
+def notify_forward(owner, name: str, shape, inputs: int, context: int) -> None:
+    """Tell the observers that ``owner`` (called ``name``) ran a forward of ``inputs`` inputs over
+    ``context`` cached positions (``shape()``: its ``cascade.costs.ForwardShape``, asked for only
+    when needed)."""
+    for observer in list(_FORWARD_OBSERVERS):
+        observer(owner, name, shape, inputs, context)
+
 
 @dataclass
 class CausalLM:
@@ -161,6 +188,8 @@ class CausalLM:
                 raise ValueError(f"return_hidden must name layers in [1, {layers - 1}], FINAL_HIDDEN (-1) only last, "
                                  f"got {return_hidden}")
         self._choose_forward()
+        if _FORWARD_OBSERVERS:
+            notify_forward(self, self.name, lambda: ForwardShape.of(self), n, self.cache_len(cache))
         if self.lean is not None:
             return self.lean.forward(ids[0], cache, position_ids.reshape(-1).to(device), attention_mask,
                                      keep_last, return_hidden)
@@ -170,7 +199,12 @@ class CausalLM:
         if self.auto_direct:  # decided once, at the first forward
             self.auto_direct = False
             if self.lean is None:
-                self.lean = checked_direct_decoder(self)
+                observers = _FORWARD_OBSERVERS[:]
+                _FORWARD_OBSERVERS.clear()  # the probe's forwards are not the caller's: no clock prices them
+                try:
+                    self.lean = checked_direct_decoder(self)
+                finally:
+                    _FORWARD_OBSERVERS.extend(observers)
 
     @contextmanager
     def module_calls(self):

@@ -15,17 +15,21 @@ The empty tree (plain decoding, 1 / 1) and the chain of one drafter are in this 
 drafting does not pay the policy stops drafting (every ``explore``-th step still drafts one level,
 so the estimates stay current).
 
-Pricing (:class:`CallPrices`): ĉ(w) is an LM drafter's forward time at width w, and Δverify(m)
-the growth of the verification forward when a tree of m nodes gets one more (t(m + 2) - t(m + 1):
-the root is an input too), both read off measured cost curves (``cascade.estimators.CostCurve``:
-seconds per input count over the sizes measured lately, made monotone and replaced by their lower convex hull, so the cheap
-first nodes of a bandwidth-bound forward and the expensive ones past it are each priced as
-measured, and a step in the curve is shared by the nodes behind it instead of stopping the tree
-at the node where it falls; every node of a tree is priced at the curve's slope at the size
-the recent trees ended at, or at its own position when past it, since all of them share one
-verification); a forward-free drafter's proposal
-time (EMA); all divided by the time of a one-input target forward (an autoregressive step). α̂ (``NodeAcceptance``): a deterministic child's from its confidence bucket, a
-sampled child's from its depth and sibling rank, decided before it is drawn.
+Pricing (:class:`CallPrices`): every price comes from a ``cascade.costs.CostModel``, read in
+target steps (divided by a one-input target forward): ĉ(w), an LM drafter's forward over w nodes;
+Δverify(m), the growth of the verification forward when a tree of m nodes gets one more
+(t(m + 2) - t(m + 1): the root is an input too), priced at the slope where the recent trees end
+(every node shares one verification) or at its own position when past it; a forward-free
+drafter's proposal. The model is this run's timings (``MeasuredCosts``: medians over a window
+per size, monotone and convex, with standard errors) or, with ``device``, a named device's
+roofline (``RooflineCosts``: deterministic; on a virtual clock, the clock's own prices). α̂
+(``NodeAcceptance``): a deterministic child's from its confidence bucket, a sampled child's from
+its depth and sibling rank, decided before it is drawn.
+
+The guarantee (``cascade.trees.guard``): each grown tree is verified only when its expected
+tokens per cost beat the best chain it contains by more than the cost model's uncertainty
+(else that chain is verified), and a realised-outcome check drafts chains while trees deliver
+fewer tokens per second than chains did.
 """
 
 from __future__ import annotations
@@ -33,84 +37,106 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from cascade.estimators import CostCurve, DrafterCost
+from cascade.costs import CostModel, Device, ForwardShape, MeasuredCosts, RooflineCosts, device_named
 from cascade.models.lm import CausalLM
 from cascade.trees.growth import LevelCalls, Tree
+from cascade.trees.guard import RealisedCheck, Valued, best_chain, keep_tree
 from cascade.trees.policy import TreePolicy
 from cascade.types import PolicyEstimates
 
 
 class CallPrices:
-    """What drafter calls and verification cost, in target steps, measured as decoding goes."""
+    """What drafter calls and verification cost, in target steps, from the policy's cost model
+    (``cascade.costs``: this run's robust timings, or a named device's roofline)."""
 
     def __init__(self, names: list[str], policy: "DynamicTreePolicy") -> None:
         self.names, self.policy = names, policy
-        self.lookup_seconds = DrafterCost()  # forward-free drafters: seconds per proposal
-        self.forward_seconds = {n: CostCurve() for n in names}  # LM drafters: seconds per forward of width w
-        self.verify_seconds = CostCurve()  # the target: seconds per forward of n inputs
+        self.costs: CostModel = MeasuredCosts()
         self.tree_nodes = 0.0  # EMA of the verified trees' node counts (0: none yet)
+
+    def use_roofline(self, target: CausalLM, calls: LevelCalls, device: str | Device) -> None:
+        """Price from ``device``'s roofline: the target's and each LM drafter's forward shapes."""
+        shapes = {self.names[i]: calls.drafters[i].forward_shape() for i in range(len(self.names)) if calls.is_lm(i)}
+        self.costs = RooflineCosts(device, ForwardShape.of(target), shapes)
 
     def record(self, tree: Tree, seen: int) -> None:
         """Take the tree's drafter-call timings from index ``seen`` on."""
         for t in tree.timings[seen:]:
             if t.width:
-                self.forward_seconds[self.names[t.drafter]].update(t.width, t.seconds)
+                self.costs.observe_forward(self.names[t.drafter], t.width, t.seconds)
             else:
-                self.lookup_seconds.update(self.names[t.drafter], t.seconds)
+                self.costs.observe_lookup(self.names[t.drafter], t.seconds)
 
     def calibrate(self, target: CausalLM) -> None:
         """Time target forwards of a few sizes on a scratch cache (fits Δverify before decoding)."""
         cache = target.new_cache()
         target.forward([0] * 64, cache)
         for n in (1, 2, 4, 6, 8, 12, 16, 24, 32):
-            seconds = []
-            for _ in range(3):  # the fastest of three: the least disturbed by other work
+            for _ in range(3):  # three samples each: the curve takes their median
                 t0 = time.perf_counter()
                 target.forward([0] * n, cache)
-                seconds.append(time.perf_counter() - t0)
+                self.costs.observe_verify(n, time.perf_counter() - t0)
                 target.crop(cache, 64)
-            self.verify_seconds.update(n, min(seconds))
 
     def record_tree(self, nodes: int, decay: float = 0.8) -> None:
         self.tree_nodes = float(nodes) if not self.tree_nodes else decay * self.tree_nodes + (1 - decay) * nodes
 
     def target_step(self) -> float | None:
-        """Seconds of a one-input target forward (one autoregressive step), when measured."""
+        """Seconds of a one-input target forward (one autoregressive step), when known."""
         if not self.policy.measure_costs:
             return None  # every price then comes from the policy's priors
-        step = self.verify_seconds.predict(1)
-        return step if step is not None and step > 0 else None
+        step = self.costs.verify(1)
+        return step.seconds if step is not None and step.seconds > 0 else None
+
+    def _measured_verify(self) -> bool:
+        return self.target_step() is not None and (self.costs.predicts or self.costs.verify_sizes() >= 2)
 
     def verify_per_node(self, nodes: float) -> float:
         """Δverify(nodes): what one more node costs a verification of ``nodes`` nodes (nodes + 1
         inputs with the root), in target steps; the prior slope until two sizes are measured."""
-        step = self.target_step()
-        if step is None or self.verify_seconds.sizes < 2:
+        if not self._measured_verify():
             return self.policy.prior_verify_slope
-        return (self.verify_seconds.predict(nodes + 2) - self.verify_seconds.predict(nodes + 1)) / step
+        step = self.target_step()
+        return (self.costs.verify(nodes + 2).seconds - self.costs.verify(nodes + 1).seconds) / step
+
+    def verify_nodes(self, nodes: int) -> tuple[float, float]:
+        """(cost, standard error) of verifying ``nodes`` nodes, in target steps."""
+        if not self._measured_verify():
+            return 1.0 + self.policy.prior_verify_slope * nodes, 0.0
+        step, price = self.target_step(), self.costs.verify(nodes + 1)
+        return price.seconds / step, price.sd / step
 
     def forward(self, i: int, width: int) -> float:
         """ĉ(width): LM drafter i's forward over ``width`` nodes (0 for width 0); proportional to
-        the width until a second width is measured."""
+        the width until it is measured."""
         if width <= 0:
             return 0.0
-        step, seconds = self.target_step(), self.forward_seconds[self.names[i]]
-        if step is None or not seconds.sizes:
-            return self.policy.prior_drafter_cost * width
-        return seconds.predict(width) / step
+        step = self.target_step()
+        price = None if step is None else self.costs.forward(self.names[i], width)
+        return self.policy.prior_drafter_cost * width if price is None else price.seconds / step
 
     def lookup(self, i: int) -> float:
-        step, s = self.target_step(), self.lookup_seconds.get(self.names[i])
-        return self.policy.prior_lookup_cost if step is None or s is None else s / step
+        step = self.target_step()
+        price = None if step is None else self.costs.lookup(self.names[i])
+        return self.policy.prior_lookup_cost if price is None else price.seconds / step
+
+    def drafting(self, tree: Tree) -> float:
+        """The drafting a tree cost, priced (target steps)."""
+        return sum(self.forward(t.drafter, t.width) if t.width else self.lookup(t.drafter) for t in tree.timings)
+
+    @staticmethod
+    def step_seconds(tree: Tree, verify_time_s: float | None) -> float | None:
+        """What a step cost in seconds on the run's clock (its drafter calls and its verification:
+        measured, or a virtual clock's), for the realised-outcome check: the outcome, not the
+        prices, so that it also catches a cost model that is wrong."""
+        if verify_time_s is None:
+            return None
+        return sum(t.seconds for t in tree.timings) + verify_time_s
 
     def snapshot(self) -> dict:
         """Seconds (``PolicyEstimates``' cost fields): forward-free proposals, LM drafters'
         forwards by width, the target's by input count."""
-        return {
-            "drafter_cost_s": {k: round(v, 6) for k, v in self.lookup_seconds.seconds.items()},
-            "forward_curve_s": {k: c.snapshot() for k, c in self.forward_seconds.items() if c.sizes},
-            "verify_curve_s": self.verify_seconds.snapshot() or None,
-        }
+        return self.costs.snapshot()
 
 
 @dataclass
@@ -139,6 +165,7 @@ class _Turn:
     depth: int
     step: _StepValue  # the step so far, updated as nodes are added
     must_try: bool  # an exploring step: try one node even when it does not pay
+    chain: bool = False  # chain mode: at most one node per depth (first children only)
 
 
 @dataclass
@@ -157,22 +184,40 @@ class DynamicTreePolicy(TreePolicy):
     explore: int = 16  # every explore-th step drafts one level even when it does not pay (0: never)
     measure_costs: bool = True  # False: price with the priors only (deterministic shapes, e.g. tiny test models)
     calibrate: bool = False  # time target forwards of 1..32 inputs once, before decoding (fits Δverify)
+    device: str | Device | None = None  # price from this device's roofline (a cascade.costs.DEVICES name); None: this run's timings
+    guard: bool = True  # verify a tree only when it beats the best chain it contains (cascade.trees.guard)
+    margin: float = 1.0  # ... by more than this many standard errors of the cost model
+    min_gain: float = 0.02  # ... and by at least this fraction of the chain's expected tokens per cost
+    realised_window: int = 32  # steps per mode in the realised-outcome check (0: off, always trees)
+    probe: int = 16  # the realised-outcome check drafts the other mode every probe-th step
     kind = "dytc"
     steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.t_min < 0 or self.max_nodes < 1 or self.max_depth < 1 or self.max_rank < 1 or self.explore < 0:
             raise ValueError(f"invalid dynamic tree policy {self}")
+        if self.margin < 0 or self.min_gain < 0 or self.realised_window < 0:
+            raise ValueError(f"invalid dynamic tree policy guard {self}")
+        if self.device is not None:
+            device_named(self.device)  # an unknown device fails here, before any model loads
         self._calibrated = False
+        self.realised = RealisedCheck(self.realised_window, self.probe) if self.realised_window else None
+        self.last_shape = "tree"
+        self._tree: Tree | None = None
 
     def setup(self, names, calls: LevelCalls) -> None:
         super().setup(names, calls)
         self.prices = CallPrices(names, self)
+        self._calls = calls
 
     def start(self, target: CausalLM) -> None:
-        if self.calibrate and not self._calibrated:
+        if self.device is not None and not self.prices.costs.predicts:
+            self.prices.use_roofline(target, self._calls, self.device)
+        if self.calibrate and not self._calibrated and not self.prices.costs.predicts:
             self.prices.calibrate(target)
             self._calibrated = True
+        if self.prices.costs.predicts:
+            self.prices.costs.context = 0
 
     @property
     def budget(self) -> int:
@@ -182,28 +227,53 @@ class DynamicTreePolicy(TreePolicy):
         super().observe(nodes, result, verify_time_s)
         self.prices.record_tree(len(nodes))
         if verify_time_s is not None:
-            self.prices.verify_seconds.update(len(nodes) + 1, verify_time_s)
+            self.prices.costs.observe_verify(len(nodes) + 1, verify_time_s)
+        if self.realised is not None and self._tree is not None:
+            seconds = self.prices.step_seconds(self._tree, verify_time_s)
+            if seconds is not None:
+                self.realised.record(result.num_accepted + 1, seconds)
 
     def estimates(self) -> PolicyEstimates:
-        return replace(super().estimates(), **self.prices.snapshot())
+        realised = {} if self.realised is None else self.realised.snapshot()
+        return replace(super().estimates(), **self.prices.snapshot(), realised=realised)
 
     def grow(self, tree: Tree, calls: LevelCalls, budget: int) -> list[int]:
+        """1. pick the mode (the realised-outcome check); 2. grow; 3. the guard: verify the best
+        contained chain unless the tree beats it (``cascade.trees.guard``)."""
         self.steps += 1
+        self._tree = tree
+        if self.prices.costs.predicts:
+            self.prices.costs.context = len(tree.context)
+        chain = self.realised is not None and self.realised.next_mode() == "chain"
+        self._grow(tree, calls, budget, chain)
+        everything = list(range(len(tree.nodes)))
+        self.last_shape = "chain" if chain else "tree"
+        if chain or not self.guard or not tree.nodes:
+            return everything
+        drafting = self.prices.drafting(tree)
+        cost, sd = self.prices.verify_nodes(len(tree.nodes))
+        whole = Valued(everything, 1.0 + sum(n.reach for n in tree.nodes), drafting + cost, sd)
+        best = best_chain(tree, drafting, self.prices.verify_nodes)
+        if best.nodes == everything or keep_tree(whole, best, self.margin, self.min_gain):
+            return everything
+        self.last_shape = "chain"
+        return best.nodes
+
+    def _grow(self, tree: Tree, calls: LevelCalls, budget: int, chain: bool) -> None:
         exploring = self.explore > 0 and self.steps % self.explore == 0
         step = _StepValue()
         frontier = [-1]
         for depth in range(1, min(self.max_depth, budget) + 1):
             level: list[int] = []
             for i in range(len(calls.drafters)):
-                if len(tree.nodes) >= self.max_nodes or not frontier:
+                if len(tree.nodes) >= self.max_nodes or not frontier or (chain and level):
                     break
-                turn = _Turn(tree, calls, i, depth, step, must_try=exploring and depth == 1)
+                turn = _Turn(tree, calls, i, depth, step, must_try=exploring and depth == 1, chain=chain)
                 by_reach = sorted(frontier, key=lambda x: -tree.reach(x))
                 level += self._lm_level(turn, by_reach) if calls.is_lm(i) else self._lookup_level(turn, by_reach)
             frontier = level
             if not frontier:
                 break
-        return list(range(len(tree.nodes)))
 
     def _node(self, tree: Tree, ahead: int = 0) -> float:
         """Δverify of the next node when ``ahead`` more are already planned on top of the tree.
@@ -222,6 +292,9 @@ class DynamicTreePolicy(TreePolicy):
     def _worth(self, gain: float, cost: float, step: _StepValue) -> bool:
         return gain / cost >= max(self.t_min, step.rate)
 
+    def _ranks(self, turn: _Turn) -> int:
+        return 1 if turn.chain else self.max_rank
+
     def _lookup_level(self, turn: _Turn, by_reach: list[int]) -> list[int]:
         """A forward-free drafter proposes below the most reached nodes while it pays."""
         tree, i, added = turn.tree, turn.drafter, []
@@ -237,6 +310,8 @@ class DynamicTreePolicy(TreePolicy):
             if token is not None and (q is not None or token not in tree.taken.get(x, set())):
                 added.append(tree.add(x, drafter=i, rank=1, token=token, q=q, reach=gain))
                 turn.step.count(gain, per_node)
+                if turn.chain:
+                    break
         return added
 
     def _lm_level(self, turn: _Turn, by_reach: list[int]) -> list[int]:
@@ -245,7 +320,7 @@ class DynamicTreePolicy(TreePolicy):
         alpha_first = self.acceptance.first_child(i, turn.depth)
         extra = 0 if i in tree.started or turn.depth == 1 else 1  # a late start also feeds the root
         expand, trial = [], _StepValue(turn.step.gain, turn.step.cost)
-        for x in by_reach[: self.max_nodes - len(tree.nodes)]:
+        for x in by_reach[: 1 if turn.chain else self.max_nodes - len(tree.nodes)]:
             width = len(expand) + 1 + extra
             gain = tree.reach(x) * alpha_first
             per_node = self._node(tree, len(expand))  # each expanded node's first child
@@ -269,7 +344,7 @@ class DynamicTreePolicy(TreePolicy):
         tree, i = turn.tree, turn.drafter
         candidates = [(tree.reach(x) * self.acceptance.confident(i, conf, rank), x, rank, token, conf)
                       for x in expand
-                      for rank, (token, conf) in enumerate(turn.calls.ranked(tree, x, logits[x], self.max_rank), start=1)]
+                      for rank, (token, conf) in enumerate(turn.calls.ranked(tree, x, logits[x], self._ranks(turn)), start=1)]
         candidates.sort(key=lambda c: -c[0])
         added = []
         for n, (gain, x, rank, token, conf) in enumerate(candidates):
@@ -287,7 +362,7 @@ class DynamicTreePolicy(TreePolicy):
         tree, i, added = turn.tree, turn.drafter, []
         for n, x in enumerate(expand):
             q = turn.calls.q(logits[x])  # [V]
-            for rank in range(1, self.max_rank + 1):
+            for rank in range(1, self._ranks(turn) + 1):
                 gain = tree.reach(x) * self.acceptance.sibling(i, turn.depth, rank)
                 per_node = self._node(tree)
                 first = turn.must_try and n == 0 and rank == 1

@@ -16,11 +16,11 @@ that prices calls learns from). ``LevelCalls`` is what a policy may ask of the d
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from cascade.costs import charge_lookup, decode_clock
 from cascade.drafters.base import Drafter
 from cascade.drafters.lm_base import LMDrafter
 from cascade.sampling import logits_to_probs, sample
@@ -96,9 +96,9 @@ class LevelCalls:
         d: LMDrafter = self.drafters[i]
         out: dict[int, torch.Tensor] = {}
         if i not in tree.started:  # the root's logits come with the start
-            t0 = time.perf_counter()
+            t0 = decode_clock()
             out[-1] = d.tree_start(tree.context)
-            tree.timings.append(CallTiming(i, 1, time.perf_counter() - t0))
+            tree.timings.append(CallTiming(i, 1, decode_clock() - t0))
             tree.started.add(i)
             tree.forwards += 1
         todo = [x for x in expand if x >= 0]
@@ -110,9 +110,9 @@ class LevelCalls:
                 if not d.tree_fed(j) and j not in feed:
                     feed.append(j)
         feed.sort(key=lambda j: (tree.nodes[j].depth, j))
-        t0 = time.perf_counter()
+        t0 = decode_clock()
         rows = d.tree_level(feed, [tree.nodes[j].token for j in feed], [tree.nodes[j].parent for j in feed])  # [w, V]
-        tree.timings.append(CallTiming(i, len(feed), time.perf_counter() - t0))
+        tree.timings.append(CallTiming(i, len(feed), decode_clock() - t0))
         tree.forwards += 1
         for r, j in enumerate(feed):
             out[j] = rows[r]
@@ -120,9 +120,10 @@ class LevelCalls:
 
     def lookup(self, tree: Tree, i: int, node: int) -> tuple[int | None, torch.Tensor | None]:
         """A forward-free drafter's one proposal below ``node``: (token, q [V] or None)."""
-        t0 = time.perf_counter()
+        t0 = decode_clock()
         block = self.drafters[i].propose(tree.context + tree.path_tokens(node), 1)
-        tree.timings.append(CallTiming(i, 0, time.perf_counter() - t0))
+        charge_lookup()
+        tree.timings.append(CallTiming(i, 0, decode_clock() - t0))
         if not block.k:
             return None, None
         return int(block.tokens[0]), None if block.q is None else block.q[0]

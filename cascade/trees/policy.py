@@ -10,6 +10,7 @@ describe the models, not a prompt):
 ``observe(nodes, result, verify_time_s)``   the verified nodes' judgements and the forward's time
 ``estimates()``              what it acted on (``PolicyEstimates``), logged per step
 ``budget``, ``kind``         most nodes per tree; a short name ("static", "reranked", "dytc")
+``last_shape``               "tree", or "chain" when the last grow verified one chain on purpose
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class TreePolicy:
     depth_prior: str = "above"  # NodeAcceptance: a depth's α̂ prior centred on the depth above ("flat": the prior)
     siblings_apart: bool = True  # NodeAcceptance: ranked siblings' confidence buckets learned apart from first children's
     ranked_first = False  # the policy takes ranked children from the first drafter, which must be an LM drafter
+    last_shape = "tree"  # what the last grow chose to verify: "tree", or "chain" (DyTC's guard / realised check)
 
     def setup(self, names: list[str], calls: LevelCalls) -> None:
         if self.ranked_first and not calls.is_lm(0):

@@ -1,0 +1,102 @@
+"""Does a device's roofline predict a run's measured decode speedups? Out of sample.
+
+Every decoding step records its model forwards (``StepRecord.forwards``: model, inputs, cached
+positions) and the summary each model's shape (``RunSummary.forward_shapes``), so a step can be
+priced on any ``cascade.costs.DEVICES`` entry after the fact. On the CPU that ran it:
+
+1. the roofline alone: each step's predicted time (its forwards' roofline times plus the
+   device's host work per step), no fit;
+2. fitted on the first half of the prompts (all methods pooled): measured step time =
+   ``scale`` x roofline + ``per_step`` (least squares), then applied to the second half.
+
+Each method's predicted decode speedup on the second half (the baseline's predicted decode time
+over the method's, per token) is printed beside the measured one. Predictions, labelled so.
+
+    python -m analysis.roofline RUN_DIR [--device zen5_epyc]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import numpy as np
+
+from cascade.costs import DEVICES, Device
+from cascade.results import load_jobs
+
+
+def step_roofline(step: dict, shapes: dict, device: Device) -> float:
+    """Predicted seconds of one recorded step on ``device``."""
+    return device.host_step_s + sum(shapes[f["model"]].seconds(device, f["inputs"], f["context"]) for f in step["forwards"])
+
+
+def halves(steps: list[dict]) -> tuple[set[str], set[str]]:
+    """The first and second half of the prompts, in the order they were decoded."""
+    prompts = list(dict.fromkeys(s["prompt"] for s in steps))
+    half = len(prompts) // 2
+    return set(prompts[:half]), set(prompts[half:])
+
+
+def fit(steps: list[dict], shapes: dict, device: Device) -> tuple[float, float]:
+    """(scale, per_step) of measured = scale * roofline + per_step over ``steps`` (least squares)."""
+    x = np.array([step_roofline(s, shapes, device) for s in steps])
+    y = np.array([s["step_time_s"] for s in steps])
+    a = np.stack([x, np.ones_like(x)], 1)
+    (scale, per_step), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return float(scale), float(per_step)
+
+
+def speedups(steps: list[dict], baseline: str, seconds) -> dict[str, float]:
+    """Decode speedup per method (tokens per second over the baseline's) with ``seconds(step)``."""
+    tokens: dict[str, float] = defaultdict(float)
+    time: dict[str, float] = defaultdict(float)
+    for s in steps:
+        tokens[s["method"]] += s["emitted"]
+        time[s["method"]] += seconds(s)
+    base = tokens[baseline] / time[baseline]
+    return {m: tokens[m] / time[m] / base for m in tokens}
+
+
+def check(steps: list[dict], shapes: dict, baseline: str, device: Device) -> dict[str, dict[str, float]]:
+    """method -> measured, roofline-alone and fitted decode speedups on the second half of the
+    prompts (the fit saw only the first half)."""
+    first, second = halves(steps)
+    scale, per_step = fit([s for s in steps if s["prompt"] in first], shapes, device)
+    held = [s for s in steps if s["prompt"] in second]
+    measured = speedups(held, baseline, lambda s: s["step_time_s"])
+    alone = speedups(held, baseline, lambda s: step_roofline(s, shapes, device))
+    fitted = speedups(held, baseline, lambda s: scale * step_roofline(s, shapes, device) + per_step)
+    return {m: {"measured": measured[m], "roofline": alone[m], "fitted": fitted[m], "scale": scale,
+                "per_step_ms": 1000 * per_step} for m in measured}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir")
+    ap.add_argument("--device", default="zen5_epyc", choices=sorted(DEVICES))
+    args = ap.parse_args(argv)
+    device = DEVICES[args.device]
+    jobs, _ = load_jobs(args.run_dir)
+    for job in jobs:
+        summary = job.summary
+        if summary.clock != "measured":
+            print(f"{job.dir}: a virtual-clock run ({summary.clock}): nothing measured to predict")
+            continue
+        steps = [s for s in job.steps() if s.get("forwards")]
+        if not steps:
+            print(f"{job.dir}: its steps record no forwards (a run older than StepRecord.forwards)")
+            continue
+        rows = check(steps, summary.forward_shapes, summary.baseline, device)
+        any_row = next(iter(rows.values()))
+        print(f"{job.dir}: PREDICTED decode speedups on the second half of the prompts from the {device.name} roofline "
+              f"(fit on the first half: measured step = {any_row['scale']:.3f} x roofline + {any_row['per_step_ms']:.2f} ms)")
+        print(f"{'method':18s} {'measured':>9s} {'roofline':>9s} {'error':>7s} {'fitted':>8s} {'error':>7s}")
+        for m, r in rows.items():
+            print(f"{m:18s} {r['measured']:8.2f}x {r['roofline']:8.2f}x {r['roofline'] / r['measured'] - 1:+7.1%} "
+                  f"{r['fitted']:7.2f}x {r['fitted'] / r['measured'] - 1:+7.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""DyTC never loses to the chains it contains (cascade/trees/guard.py), with controlled timings.
+
+A drafter whose siblings are never accepted: an exact copy of the target (greedy: its first
+child is always the target's argmax, any other rank never is). Timings are a virtual clock on a
+test device where each verified input costs ~9% of a step and the drafter a tenth of one, so
+siblings cost real time and return nothing. DyTC must draft chains and run at the best chain's
+speed within 3%.
+
+The broken variant: the acceptance record shared between first children and siblings
+(``siblings_apart=False``) promises every sibling the first children's ~100%, and without the
+guard and the realised-outcome check the policy fills its trees with siblings; the same
+comparison catches it. With the same broken record, the realised-outcome check still finds that
+trees deliver fewer tokens per second than chains and drafts chains. Every output equals greedy
+decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cascade import generate
+from cascade.costs import Device, ForwardShape, VirtualClock
+from cascade.drafters import SmallLMDrafter
+from cascade.models import perturbed_copy
+from cascade.tree_drafter import TreeDrafter
+from cascade.trees import DynamicTreePolicy
+
+PROMPTS = [[1, 2, 3, 4], [5, 9, 2], [7, 7, 1, 30, 4], [11, 3], [2, 8, 16, 31, 1, 6]]
+
+
+def _device(target) -> Device:
+    """A forward of the tiny target (2 layers): 1 ms plus 0.1 ms per input; the drafter priced
+    with no layers: 0.1 ms plus 0.01 ms per input."""
+    shape = ForwardShape.of(target)
+    return Device("test device", bandwidth=1e15, peak_flops=2 * shape.weight_count / 1e-4, forward_overhead_s=0.1e-3,
+                  layer_overhead_s=0.45e-3, host_step_s=0.0, lookup_s=0.0, kv_bytes=8, source="a test's", measured=False)
+
+
+class _CheapCopy(SmallLMDrafter):
+    """The target's exact copy, priced as a model a tenth of its size without layer overheads."""
+
+    def __init__(self, model, shape: ForwardShape, **kw) -> None:
+        super().__init__(model, **kw)
+        self._shape = shape
+
+    def forward_shape(self) -> ForwardShape:
+        return self._shape
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target):
+    copy = perturbed_copy(tiny_target, noise=0.0, seed=1)
+    full = ForwardShape.of(tiny_target)
+    cheap = ForwardShape(full.weight_bytes / 10, full.weight_count / 10, 0, full.kv_values_per_position // 2,
+                         full.attention_flops_per_position / 2)
+    return tiny_target, copy, cheap, _device(tiny_target)
+
+
+def _run(target, drafter, device, shapes, rounds: int = 3) -> tuple[float, list]:
+    """Decode tokens per predicted second over the last round (earlier rounds: warm-up; the
+    policy's estimates persist across generations), and the last round's steps."""
+    for r in range(rounds):
+        tokens, seconds, steps = 0, 0.0, []
+        for p in PROMPTS:
+            clock = VirtualClock(device, shapes)
+            out = generate(target, p, drafter=drafter, max_new_tokens=60, stop_on_eos=False, clock=clock)
+            reference = generate(target, p, max_new_tokens=60, stop_on_eos=False)
+            assert out.tokens == reference.tokens  # lossless, whatever the shape
+            assert out.clock == clock.label and out.clock.startswith("predicted:")
+            tokens += len(out.tokens)
+            seconds += sum(s.step_time_s for s in out.steps)
+            steps += out.steps
+    return tokens / seconds, steps
+
+
+def _dytc(copy, cheap, device, **policy) -> TreeDrafter:
+    return TreeDrafter([_CheapCopy(copy, cheap)], DynamicTreePolicy(device=device, max_nodes=24, max_depth=10, **policy))
+
+
+def _siblings(steps) -> float:
+    """Fraction of steps whose verified draft holds a sibling (a node of rank > 1)."""
+    trees = [s.tree for s in steps if s.tree is not None]  # (the last step of a call may draft nothing)
+    return sum(any(r > 1 for r in t.node_ranks) for t in trees) / len(trees)
+
+
+def test_dytc_takes_the_chains_shape_and_speed_when_siblings_never_pay(setup):
+    target, copy, cheap, device = setup
+    shapes = [(copy, cheap)]
+    chains = {k: _run(target, _CheapCopy(copy, cheap, k=k), device, shapes, rounds=1)[0] for k in (4, 6, 8, 10)}
+    best_chain = max(chains.values())
+
+    dytc, steps = _run(target, _dytc(copy, cheap, device), device, shapes)
+    assert dytc >= 0.97 * best_chain, (dytc, chains)
+    assert _siblings(steps) <= 0.1  # chain-shaped (siblings only on the realised check's probes)
+
+    # the broken variant: a shared record promises siblings ~100%, no guard, no realised check
+    broken, broken_steps = _run(target, _dytc(copy, cheap, device, siblings_apart=False, guard=False, realised_window=0),
+                                device, shapes)
+    assert _siblings(broken_steps) > 0.5  # it believes its siblings
+    assert broken < 0.97 * best_chain, (broken, chains)  # and the same comparison catches it
+
+    # the same broken record under the guarantee: the realised-outcome check turns it to chains
+    rescued, rescued_steps = _run(target, _dytc(copy, cheap, device, siblings_apart=False), device, shapes)
+    assert _siblings(rescued_steps) <= 0.1
+    assert sum(s.tree is not None and s.tree.shape == "chain" for s in rescued_steps) >= 0.8 * len(rescued_steps)
+    assert rescued >= 1.3 * broken and rescued >= 0.85 * best_chain, (rescued, broken, chains)
+
+
+def test_dytc_keeps_trees_that_pay(setup):
+    """Where siblings are accepted (a perturbed drafter, flat verification) the guard does not
+    strip trees to chains: the realised check finds trees at least as fast and keeps them."""
+    target, copy, cheap, device = setup
+    flat = Device("flat test device", bandwidth=1e15, peak_flops=1e18, forward_overhead_s=0.1e-3, layer_overhead_s=0.45e-3,
+                  host_step_s=0.0, lookup_s=0.0, kv_bytes=8, source="a test's", measured=False)
+    close = perturbed_copy(target, noise=0.05, seed=1)
+    shapes = [(close, cheap)]
+    drafter = TreeDrafter([_CheapCopy(close, cheap)], DynamicTreePolicy(device=flat, max_nodes=24))
+    _, steps = _run(target, drafter, flat, shapes)
+    assert _siblings(steps) > 0.5
+    tree_rate, chain_rate = (drafter.policy.realised.rate(m) for m in ("tree", "chain"))
+    assert tree_rate is not None and chain_rate is not None and tree_rate >= chain_rate
