@@ -17,11 +17,15 @@ from torch import nn
 KERNEL_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c")
 
 
+# what a run's numbers depend on: a change elsewhere (docs, results, tests) leaves a run's code clean
+CODE_PATHS = ("cascade", "conf", "hydra_plugins", "analysis", "experiments", "pyproject.toml")
+
+
 @dataclass
 class CodeState:
     commit: str | None  # git HEAD (None outside a checkout)
-    dirty: bool | None  # uncommitted changes to tracked files
-    diff_sha256: str | None = None  # sha256 of `git diff HEAD` when dirty (what the run's code differs by)
+    dirty: bool | None  # uncommitted changes to tracked files under CODE_PATHS
+    diff_sha256: str | None = None  # sha256 of `git diff HEAD -- CODE_PATHS` when dirty (what the run's code differs by)
 
 
 @dataclass
@@ -43,11 +47,12 @@ def _git(*args: str, cwd: Path) -> str:
 
 
 def code_state(repo: Path | None = None) -> CodeState:
-    """The checkout's commit and whether (and by what) its tracked files differ from it."""
+    """The checkout's commit and whether (and by what) its code (``CODE_PATHS``) differs from it."""
     cwd = repo or Path(__file__).resolve().parent
     try:
         commit = _git("rev-parse", "HEAD", cwd=cwd).strip()
-        diff = _git("diff", "HEAD", "--binary", cwd=cwd)
+        top = Path(_git("rev-parse", "--show-toplevel", cwd=cwd).strip())
+        diff = _git("diff", "HEAD", "--binary", "--", *CODE_PATHS, cwd=top)
     except (OSError, subprocess.CalledProcessError):
         return CodeState(None, None)
     dirty = bool(diff)

@@ -38,15 +38,19 @@ def _git(repo, *args):
 
 def test_code_state_flags_and_hashes_a_dirty_tree(tmp_path):
     _git(tmp_path, "init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    _git(tmp_path, "add", "a.py")
+    (tmp_path / "cascade").mkdir()
+    (tmp_path / "README.md").write_text("docs\n")
+    (tmp_path / "cascade" / "a.py").write_text("x = 1\n")
+    _git(tmp_path, "add", "cascade/a.py", "README.md")
     _git(tmp_path, "-c", "user.email=a@b", "-c", "user.name=t", "commit", "-qm", "one")
     clean = code_state(tmp_path)
     assert len(clean.commit) == 40 and clean.dirty is False and clean.diff_sha256 is None
-    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "README.md").write_text("other docs\n")
+    assert code_state(tmp_path).dirty is False  # docs do not change what a run computes
+    (tmp_path / "cascade" / "a.py").write_text("x = 2\n")
     first = code_state(tmp_path)
-    (tmp_path / "a.py").write_text("x = 3\n")
-    second = code_state(tmp_path)
+    (tmp_path / "cascade" / "a.py").write_text("x = 3\n")
+    second = code_state(tmp_path / "cascade")
     assert first.dirty and second.dirty and first.commit == clean.commit
     assert first.diff_sha256 and second.diff_sha256 and first.diff_sha256 != second.diff_sha256
 
