@@ -144,3 +144,19 @@ def test_dytc_on_a_device_prices_from_its_roofline(tiny_target, tiny_close_draft
     costs = policy.prices.costs
     assert costs.predicts and costs.context > 3  # priced at the context of the last tree grown
     assert costs.verify(1).seconds == ForwardShape.of(tiny_target).seconds(DEV, 1, costs.context)
+
+
+def test_guarantee_table_matches_trees_to_their_drafters_chains(tmp_path):
+    from analysis.guarantee import contained_chains, rows
+
+    cfg = _cfg("+experiment=bench/dytc_device", "debug=tiny", f"output_dir={tmp_path}", "progress=false",
+               "device_model=h100", "dataset.num_prompts=2")
+    summary = run_mod.run(cfg)
+    trees = contained_chains(summary.methods)
+    assert set(trees["dytc_tree"]) == {"chain_k4", "chain_k6", "chain_k8", "pld"}
+    assert set(trees["dytc_head"]) == {"eagle_chain"}
+    assert set(trees["dytc_head_quant"]) == {"eagle_chain", "chain_k4", "chain_k6", "chain_k8", "pld"}
+    jobs, _ = load_jobs(tmp_path)
+    table = {r["method"]: r for r in rows(jobs[0])}
+    best = max(summary.methods[c].decode_speedup for c in trees["dytc_tree"])
+    assert table["dytc_tree"]["vs_decode"] == pytest.approx(summary.methods["dytc_tree"].decode_speedup / best)

@@ -265,7 +265,7 @@ class DynamicTreePolicy(TreePolicy):
         frontier = [-1]
         for depth in range(1, min(self.max_depth, budget) + 1):
             level: list[int] = []
-            for i in range(len(calls.drafters)):
+            for i in self._chain_order(tree, calls, depth) if chain else range(len(calls.drafters)):
                 if len(tree.nodes) >= self.max_nodes or not frontier or (chain and level):
                     break
                 turn = _Turn(tree, calls, i, depth, step, must_try=exploring and depth == 1, chain=chain)
@@ -274,6 +274,18 @@ class DynamicTreePolicy(TreePolicy):
             frontier = level
             if not frontier:
                 break
+
+    def _chain_order(self, tree: Tree, calls: LevelCalls, depth: int) -> list[int]:
+        """Chain mode: the drafters by the expected tokens per cost of their first child at this
+        depth (α̂ over one call and one node's Δverify), best first; the first that adds a node
+        takes the depth (a chain of the drafter that pays most there, not of the one listed first)."""
+        per_node = self._node(tree)
+
+        def rate(i: int) -> float:
+            call = self.prices.forward(i, 1) if calls.is_lm(i) else self.prices.lookup(i)
+            return self.acceptance.first_child(i, depth) / (call + per_node)
+
+        return sorted(range(len(calls.drafters)), key=rate, reverse=True)
 
     def _node(self, tree: Tree, ahead: int = 0) -> float:
         """Δverify of the next node when ``ahead`` more are already planned on top of the tree.
