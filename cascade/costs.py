@@ -158,6 +158,8 @@ class CostModel(Protocol):
 
     def verify_sizes(self) -> int: ...  # how many input counts the verification prices are made of
 
+    def set_context(self, positions: int) -> None: ...  # the cached positions the next forwards run over
+
     def verify(self, inputs: float) -> Price | None: ...  # the target over ``inputs`` inputs (None: unknown yet)
 
     def forward(self, drafter: str, width: int) -> Price | None: ...  # an LM drafter over ``width`` nodes
@@ -251,6 +253,9 @@ class MeasuredCosts:
     def verify_sizes(self) -> int:
         return self.verify_curve.sizes
 
+    def set_context(self, positions: int) -> None:
+        pass  # measured at whatever context the run is at
+
     def verify(self, inputs: float) -> Price | None:
         return self.verify_curve.predict(inputs)
 
@@ -293,6 +298,9 @@ class RooflineCosts:
 
     def verify_sizes(self) -> int:
         return 2**31  # every size: a model, not samples
+
+    def set_context(self, positions: int) -> None:
+        self.context = positions
 
     def verify(self, inputs: float) -> Price:
         lo = max(int(math.floor(inputs)), 1)

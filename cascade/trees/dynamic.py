@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from cascade.costs import CostModel, Device, ForwardShape, MeasuredCosts, RooflineCosts, device_named
+from cascade.costs import CostModel, Device, ForwardShape, MeasuredCosts, RooflineCosts, decode_clock, device_named
 from cascade.models.lm import CausalLM
 from cascade.trees.growth import LevelCalls, Tree
 from cascade.trees.guard import RealisedCheck, Valued, best_chain, keep_tree
@@ -124,14 +124,6 @@ class CallPrices:
         """The drafting a tree cost, priced (target steps)."""
         return sum(self.forward(t.drafter, t.width) if t.width else self.lookup(t.drafter) for t in tree.timings)
 
-    @staticmethod
-    def step_seconds(tree: Tree, verify_time_s: float | None) -> float | None:
-        """What a step cost in seconds on the run's clock (its drafter calls and its verification:
-        measured, or a virtual clock's), for the realised-outcome check: the outcome, not the
-        prices, so that it also catches a cost model that is wrong."""
-        if verify_time_s is None:
-            return None
-        return sum(t.seconds for t in tree.timings) + verify_time_s
 
     def snapshot(self) -> dict:
         """Seconds (``PolicyEstimates``' cost fields): forward-free proposals, LM drafters'
@@ -203,7 +195,7 @@ class DynamicTreePolicy(TreePolicy):
         self._calibrated = False
         self.realised = RealisedCheck(self.realised_window, self.probe) if self.realised_window else None
         self.last_shape = "tree"
-        self._tree: Tree | None = None
+        self._grow_seconds = 0.0
 
     def setup(self, names, calls: LevelCalls) -> None:
         super().setup(names, calls)
@@ -216,8 +208,6 @@ class DynamicTreePolicy(TreePolicy):
         if self.calibrate and not self._calibrated and not self.prices.costs.predicts:
             self.prices.calibrate(target)
             self._calibrated = True
-        if self.prices.costs.predicts:
-            self.prices.costs.context = 0
 
     @property
     def budget(self) -> int:
@@ -228,10 +218,11 @@ class DynamicTreePolicy(TreePolicy):
         self.prices.record_tree(len(nodes))
         if verify_time_s is not None:
             self.prices.costs.observe_verify(len(nodes) + 1, verify_time_s)
-        if self.realised is not None and self._tree is not None:
-            seconds = self.prices.step_seconds(self._tree, verify_time_s)
-            if seconds is not None:
-                self.realised.record(result.num_accepted + 1, seconds)
+        if self.realised is not None and verify_time_s is not None:
+            # the outcome on the run's clock (measured, or a virtual clock's): the whole growth,
+            # the policy's own work included, and the verification; not the prices, so that it
+            # also catches a cost model that is wrong
+            self.realised.record(result.num_accepted + 1, self._grow_seconds + verify_time_s)
 
     def estimates(self) -> PolicyEstimates:
         realised = {} if self.realised is None else self.realised.snapshot()
@@ -241,15 +232,19 @@ class DynamicTreePolicy(TreePolicy):
         """1. pick the mode (the realised-outcome check); 2. grow; 3. the guard: verify the best
         contained chain unless the tree beats it (``cascade.trees.guard``)."""
         self.steps += 1
-        self._tree = tree
-        if self.prices.costs.predicts:
-            self.prices.costs.context = len(tree.context)
+        started = decode_clock()
+        self.prices.costs.set_context(len(tree.context))
         chain = self.realised is not None and self.realised.next_mode() == "chain"
         self._grow(tree, calls, budget, chain)
+        self._grow_seconds = decode_clock() - started
         everything = list(range(len(tree.nodes)))
         self.last_shape = "chain" if chain else "tree"
         if chain or not self.guard or not tree.nodes:
             return everything
+        return self._guarded(tree, everything)
+
+    def _guarded(self, tree: Tree, everything: list[int]) -> list[int]:
+        """The guard: the whole tree, or the best chain it contains when the tree does not beat it."""
         drafting = self.prices.drafting(tree)
         cost, sd = self.prices.verify_nodes(len(tree.nodes))
         whole = Valued(everything, 1.0 + sum(n.reach for n in tree.nodes), drafting + cost, sd)
@@ -265,7 +260,7 @@ class DynamicTreePolicy(TreePolicy):
         frontier = [-1]
         for depth in range(1, min(self.max_depth, budget) + 1):
             level: list[int] = []
-            for i in self._chain_order(tree, calls, depth) if chain else range(len(calls.drafters)):
+            for i in self._order(tree, calls, depth):
                 if len(tree.nodes) >= self.max_nodes or not frontier or (chain and level):
                     break
                 turn = _Turn(tree, calls, i, depth, step, must_try=exploring and depth == 1, chain=chain)
@@ -275,10 +270,12 @@ class DynamicTreePolicy(TreePolicy):
             if not frontier:
                 break
 
-    def _chain_order(self, tree: Tree, calls: LevelCalls, depth: int) -> list[int]:
-        """Chain mode: the drafters by the expected tokens per cost of their first child at this
-        depth (α̂ over one call and one node's Δverify), best first; the first that adds a node
-        takes the depth (a chain of the drafter that pays most there, not of the one listed first)."""
+    def _order(self, tree: Tree, calls: LevelCalls, depth: int) -> list[int]:
+        """The drafters by the expected tokens per cost of their first child at this depth (α̂
+        over one call and one node's Δverify), best first. In chain mode the first that adds a
+        node takes the depth; in tree mode each later drafter's nodes must beat the step's rate
+        so far, raised by the better drafters before it (listed first, a weak drafter's nodes
+        passed against plain decoding's rate and then paid for its costly calls)."""
         per_node = self._node(tree)
 
         def rate(i: int) -> float:

@@ -80,7 +80,7 @@ def keep_tree(tree_value: Valued, chain_value: Valued, margin: float, min_gain: 
 class RealisedCheck:
     """Tokens per second of each drafting mode over its last ``window`` steps; picks the mode."""
 
-    def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 6) -> None:
+    def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 8) -> None:
         if window < 1 or probe < 2 or min_steps < 1:
             raise ValueError(f"invalid realised-outcome check: window {window}, probe {probe}, min_steps {min_steps}")
         self.window, self.probe, self.min_steps = window, probe, min_steps
