@@ -260,7 +260,7 @@ class DynamicTreePolicy(TreePolicy):
         frontier = [-1]
         for depth in range(1, min(self.max_depth, budget) + 1):
             level: list[int] = []
-            for i in self._order(tree, calls, depth):
+            for i in self._order(depth, len(calls.drafters)):
                 if len(tree.nodes) >= self.max_nodes or not frontier or (chain and level):
                     break
                 turn = _Turn(tree, calls, i, depth, step, must_try=exploring and depth == 1, chain=chain)
@@ -270,19 +270,14 @@ class DynamicTreePolicy(TreePolicy):
             if not frontier:
                 break
 
-    def _order(self, tree: Tree, calls: LevelCalls, depth: int) -> list[int]:
-        """The drafters by the expected tokens per cost of their first child at this depth (α̂
-        over one call and one node's Δverify), best first. In chain mode the first that adds a
-        node takes the depth; in tree mode each later drafter's nodes must beat the step's rate
-        so far, raised by the better drafters before it (listed first, a weak drafter's nodes
-        passed against plain decoding's rate and then paid for its costly calls)."""
-        per_node = self._node(tree)
-
-        def rate(i: int) -> float:
-            call = self.prices.forward(i, 1) if calls.is_lm(i) else self.prices.lookup(i)
-            return self.acceptance.first_child(i, depth) / (call + per_node)
-
-        return sorted(range(len(calls.drafters)), key=rate, reverse=True)
+    def _order(self, depth: int, drafters: int) -> list[int]:
+        """The drafters by the α̂ of their first child at this depth, best first. In chain mode the
+        first that adds a node takes the depth; in tree mode the most likely path is built by the
+        most accepted drafter and the others add nodes only where they beat the rate it set. By
+        expected tokens per cost instead, a cheap drafter accepted a third of the time (Token
+        Recycling, prompt lookup) took each depth of the chains and cut them short; by the order
+        listed, a costly weak draft head took nodes it did not pay for."""
+        return sorted(range(drafters), key=lambda i: self.acceptance.first_child(i, depth), reverse=True)
 
     def _node(self, tree: Tree, ahead: int = 0) -> float:
         """Δverify of the next node when ``ahead`` more are already planned on top of the tree.
