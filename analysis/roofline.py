@@ -6,8 +6,12 @@ priced on any ``cascade.costs.DEVICES`` entry after the fact. On the CPU that ra
 
 1. the roofline alone: each step's predicted time (its forwards' roofline times plus the
    device's host work per step), no fit;
-2. fitted on the first half of the prompts (all methods pooled): measured step time =
-   ``scale`` x roofline + ``per_step`` (least squares), then applied to the second half.
+2. fitted on the first half of the prompts: measured step time = the device's host work + the
+   sum over the step's forwards of ``scale[model]`` x that forward's roofline time (one scale
+   per model: how far its kernels run from their floor), least squares over every step of every
+   method, then applied to the second half. (No per-step intercept: below the compute knee a
+   forward's roofline is flat in its inputs, so an intercept and the target's scale cannot be
+   told apart.)
 
 Each method's predicted decode speedup on the second half (the baseline's predicted decode time
 over the method's, per token) is printed beside the measured one. Predictions, labelled so.
@@ -38,13 +42,22 @@ def halves(steps: list[dict]) -> tuple[set[str], set[str]]:
     return set(prompts[:half]), set(prompts[half:])
 
 
-def fit(steps: list[dict], shapes: dict, device: Device) -> tuple[float, float]:
-    """(scale, per_step) of measured = scale * roofline + per_step over ``steps`` (least squares)."""
-    x = np.array([step_roofline(s, shapes, device) for s in steps])
-    y = np.array([s["step_time_s"] for s in steps])
-    a = np.stack([x, np.ones_like(x)], 1)
-    (scale, per_step), *_ = np.linalg.lstsq(a, y, rcond=None)
-    return float(scale), float(per_step)
+def fit(steps: list[dict], shapes: dict, device: Device) -> dict[str, float]:
+    """Scale per model: measured step time - host work = sum of scale[model] x roofline(forward),
+    least squares over ``steps``."""
+    models = sorted({f["model"] for s in steps for f in s["forwards"]})
+    a = np.zeros((len(steps), len(models)))
+    for r, s in enumerate(steps):
+        for f in s["forwards"]:
+            a[r, models.index(f["model"])] += shapes[f["model"]].seconds(device, f["inputs"], f["context"])
+    y = np.array([s["step_time_s"] - device.host_step_s for s in steps])
+    x, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return dict(zip(models, map(float, x)))
+
+
+def fitted_seconds(step: dict, shapes: dict, device: Device, scale: dict) -> float:
+    return device.host_step_s + sum(
+        scale.get(f["model"], 1.0) * shapes[f["model"]].seconds(device, f["inputs"], f["context"]) for f in step["forwards"])
 
 
 def speedups(steps: list[dict], baseline: str, seconds) -> dict[str, float]:
@@ -62,13 +75,12 @@ def check(steps: list[dict], shapes: dict, baseline: str, device: Device) -> dic
     """method -> measured, roofline-alone and fitted decode speedups on the second half of the
     prompts (the fit saw only the first half)."""
     first, second = halves(steps)
-    scale, per_step = fit([s for s in steps if s["prompt"] in first], shapes, device)
+    scale = fit([s for s in steps if s["prompt"] in first], shapes, device)
     held = [s for s in steps if s["prompt"] in second]
     measured = speedups(held, baseline, lambda s: s["step_time_s"])
     alone = speedups(held, baseline, lambda s: step_roofline(s, shapes, device))
-    fitted = speedups(held, baseline, lambda s: scale * step_roofline(s, shapes, device) + per_step)
-    return {m: {"measured": measured[m], "roofline": alone[m], "fitted": fitted[m], "scale": scale,
-                "per_step_ms": 1000 * per_step} for m in measured}
+    fitted = speedups(held, baseline, lambda s: fitted_seconds(s, shapes, device, scale))
+    return {m: {"measured": measured[m], "roofline": alone[m], "fitted": fitted[m], "scales": scale} for m in measured}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{job.dir}: its steps record no forwards (a run older than StepRecord.forwards)")
             continue
         rows = check(steps, summary.forward_shapes, summary.baseline, device)
-        any_row = next(iter(rows.values()))
-        print(f"{job.dir}: PREDICTED decode speedups on the second half of the prompts from the {device.name} roofline "
-              f"(fit on the first half: measured step = {any_row['scale']:.3f} x roofline + {any_row['per_step_ms']:.2f} ms)")
-        print(f"{'method':18s} {'measured':>9s} {'roofline':>9s} {'error':>7s} {'fitted':>8s} {'error':>7s}")
+        scales = next(iter(rows.values()))["scales"]
+        print(f"{job.dir}: PREDICTED decode speedups on the second half of the prompts from the {device.name} roofline; "
+              "fit on the first half: measured / roofline per model " + ", ".join(f"{k} {v:.2f}" for k, v in scales.items()))
+        print(f"{'method':22s} {'measured':>9s} {'roofline':>9s} {'error':>7s} {'fitted':>8s} {'error':>7s}")
         for m, r in rows.items():
-            print(f"{m:18s} {r['measured']:8.2f}x {r['roofline']:8.2f}x {r['roofline'] / r['measured'] - 1:+7.1%} "
+            print(f"{m:22s} {r['measured']:8.2f}x {r['roofline']:8.2f}x {r['roofline'] / r['measured'] - 1:+7.1%} "
                   f"{r['fitted']:7.2f}x {r['fitted'] / r['measured'] - 1:+7.1%}")
     return 0
 
