@@ -1,4 +1,4 @@
-"""Online estimates of acceptance (α̂) and cost (ĉ) for the dynamic tree policy.
+"""Online estimates of acceptance (α̂) for the tree policies, and the two curve fits the cost models use.
 
 Acceptance, per key (a drafter and a depth, or a drafter and a sibling rank), two estimates:
 
