@@ -160,3 +160,11 @@ def test_guarantee_table_matches_trees_to_their_drafters_chains(tmp_path):
     table = {r["method"]: r for r in rows(jobs[0])}
     best = max(summary.methods[c].decode_speedup for c in trees["dytc_tree"])
     assert table["dytc_tree"]["vs_decode"] == pytest.approx(summary.methods["dytc_tree"].decode_speedup / best)
+
+
+def test_spine_depth_rate_is_validated_and_keeps_trees_lossless(tiny_target, tiny_close_drafter):
+    with pytest.raises(ValueError, match="depth_rate"):
+        DynamicTreePolicy(depth_rate="level")
+    drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter)], DynamicTreePolicy(device=DEV, depth_rate="spine"))
+    out = generate(tiny_target, [1, 2, 3], drafter=drafter, max_new_tokens=16, stop_on_eos=False, clock=VirtualClock(DEV))
+    assert out.tokens == generate(tiny_target, [1, 2, 3], max_new_tokens=16, stop_on_eos=False).tokens

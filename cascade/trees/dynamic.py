@@ -133,18 +133,32 @@ class CallPrices:
 
 @dataclass
 class _StepValue:
-    """Expected tokens and cost of the step so far, in target steps."""
+    """Expected tokens and cost of the step so far, in target steps; and the same for its spine
+    (first children only, every drafter call included)."""
 
     gain: float = 1.0
     cost: float = 1.0
+    spine_gain: float = 1.0
+    spine_cost: float = 1.0
 
     @property
     def rate(self) -> float:
         return self.gain / self.cost
 
-    def count(self, gain: float, per_node: float) -> None:
-        """A node added: its expected tokens and its Δverify."""
+    @property
+    def spine_rate(self) -> float:
+        return self.spine_gain / self.spine_cost
+
+    def count(self, gain: float, per_node: float, first: bool = True) -> None:
+        """A node added: its expected tokens and its Δverify (``first``: a first child)."""
         self.gain, self.cost = self.gain + gain, self.cost + per_node
+        if first:
+            self.spine_gain, self.spine_cost = self.spine_gain + gain, self.spine_cost + per_node
+
+    def call(self, cost: float) -> None:
+        """A drafter call made."""
+        self.cost += cost
+        self.spine_cost += cost
 
 
 @dataclass
@@ -182,12 +196,15 @@ class DynamicTreePolicy(TreePolicy):
     min_gain: float = 0.02  # ... and by at least this fraction of the chain's expected tokens per cost
     realised_window: int = 32  # steps per mode in the realised-outcome check (0: off, always trees)
     probe: int = 16  # the realised-outcome check drafts the other mode every probe-th step
+    depth_rate: str = "step"  # a node to expand must beat the step's rate ("spine": its first children's, siblings left out)
     kind = "dytc"
     steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.t_min < 0 or self.max_nodes < 1 or self.max_depth < 1 or self.max_rank < 1 or self.explore < 0:
             raise ValueError(f"invalid dynamic tree policy {self}")
+        if self.depth_rate not in ("step", "spine"):
+            raise ValueError(f"depth_rate must be 'step' or 'spine', got {self.depth_rate!r}")
         if self.margin < 0 or self.min_gain < 0 or self.realised_window < 0:
             raise ValueError(f"invalid dynamic tree policy guard {self}")
         if self.device is not None:
@@ -310,7 +327,7 @@ class DynamicTreePolicy(TreePolicy):
             seen = len(tree.timings)
             token, q = turn.calls.lookup(tree, i, x)
             self.prices.record(tree, seen)
-            turn.step.cost += self.prices.lookup(i)
+            turn.step.call(self.prices.lookup(i))
             if token is not None and (q is not None or token not in tree.taken.get(x, set())):
                 added.append(tree.add(x, drafter=i, rank=1, token=token, q=q, reach=gain))
                 turn.step.count(gain, per_node)
@@ -323,7 +340,9 @@ class DynamicTreePolicy(TreePolicy):
         # 1. which frontier nodes to expand: one forward of width w, priced as it grows
         alpha_first = self.acceptance.first_child(i, turn.depth)
         extra = 0 if i in tree.started or turn.depth == 1 else 1  # a late start also feeds the root
-        expand, trial = [], _StepValue(turn.step.gain, turn.step.cost)
+        spine = self.depth_rate == "spine"
+        start = (turn.step.spine_gain, turn.step.spine_cost) if spine else (turn.step.gain, turn.step.cost)
+        expand, trial = [], _StepValue(*start)
         for x in by_reach[: 1 if turn.chain else self.max_nodes - len(tree.nodes)]:
             width = len(expand) + 1 + extra
             gain = tree.reach(x) * alpha_first
@@ -335,7 +354,7 @@ class DynamicTreePolicy(TreePolicy):
             trial.gain, trial.cost = trial.gain + gain, trial.cost + cost - per_node
         if not expand:
             return []
-        turn.step.cost += self.prices.forward(i, len(expand) + extra)
+        turn.step.call(self.prices.forward(i, len(expand) + extra))
         seen = len(tree.timings)
         logits = turn.calls.forward(tree, i, expand)
         self.prices.record(tree, seen)
@@ -358,7 +377,7 @@ class DynamicTreePolicy(TreePolicy):
             if token in tree.taken.get(x, set()):
                 continue
             added.append(tree.add(x, drafter=i, rank=rank, token=token, q=None, reach=gain, conf=conf))
-            turn.step.count(gain, per_node)
+            turn.step.count(gain, per_node, first=rank == 1)
         return added
 
     def _sampled_children(self, turn: _Turn, expand: list[int], logits) -> list[int]:
@@ -373,5 +392,5 @@ class DynamicTreePolicy(TreePolicy):
                 if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, turn.step) or first):
                     break
                 added.append(tree.add(x, drafter=i, rank=rank, token=turn.calls.draw(q), q=q, reach=gain))
-                turn.step.count(gain, per_node)
+                turn.step.count(gain, per_node, first=rank == 1)
         return added
