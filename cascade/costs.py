@@ -61,6 +61,16 @@ class Device:
     measured: bool  # True: constants measured on such a machine here; False: from public specifications
 
 
+def _datasheet_gpu(name: str, bandwidth: float, peak_flops: float, forward_overhead_s: float, layer_overhead_s: float,
+                   datasheet: str) -> Device:
+    """A GPU from its datasheet: 80% of its bandwidth and 60% of its dense BF16 peak assumed
+    achievable, overheads assumed for CUDA-graph decoding, bf16 caches."""
+    return Device(name, bandwidth=0.8 * bandwidth, peak_flops=0.6 * peak_flops, forward_overhead_s=forward_overhead_s,
+                  layer_overhead_s=layer_overhead_s, host_step_s=1.0e-4, lookup_s=2e-5, kv_bytes=2,
+                  source=f"{datasheet}; assumed achievable: 80% of the bandwidth, 60% of the peak; overheads assumed for "
+                         f"CUDA-graph decoding (about {layer_overhead_s * 1e6:.0f} us per layer)", measured=False)
+
+
 DEVICES: dict[str, Device] = {
     "zen5_epyc": Device(
         "AMD EPYC Zen 5 (family 26 model 2), 2 cores", bandwidth=44.1e9, peak_flops=445e9,
@@ -69,18 +79,10 @@ DEVICES: dict[str, Device] = {
                "linears stream 3.09 GB in 70 ms at k=1 (44.1 GB/s) and do 16 x 3.09 GFLOP in 111 ms at k=16 "
                "(445 GFLOP/s); the forward minus its linears 2.1 ms at k=1; the loop's other work ~1 ms "
                "(experiments/loop_profile.py); a forward-free proposal assumed 0.15 ms", measured=True),
-    "a100": Device(
-        "NVIDIA A100 80GB SXM", bandwidth=0.8 * 2.039e12, peak_flops=0.6 * 312e12,
-        forward_overhead_s=30e-6, layer_overhead_s=6e-6, host_step_s=1.0e-4, lookup_s=2e-5, kv_bytes=2,
-        source="NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense BF16; assumed achievable: 80% of the "
-               "bandwidth, 60% of the peak; overheads assumed for CUDA-graph decoding (about 6 us per layer)",
-        measured=False),
-    "h100": Device(
-        "NVIDIA H100 80GB SXM5", bandwidth=0.8 * 3.35e12, peak_flops=0.6 * 989e12,
-        forward_overhead_s=25e-6, layer_overhead_s=5e-6, host_step_s=1.0e-4, lookup_s=2e-5, kv_bytes=2,
-        source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOP/s dense BF16; assumed achievable: 80% of "
-               "the bandwidth, 60% of the peak; overheads assumed for CUDA-graph decoding (about 5 us per layer)",
-        measured=False),
+    "a100": _datasheet_gpu("NVIDIA A100 80GB SXM", 2.039e12, 312e12, forward_overhead_s=30e-6, layer_overhead_s=6e-6,
+                           datasheet="NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense BF16"),
+    "h100": _datasheet_gpu("NVIDIA H100 80GB SXM5", 3.35e12, 989e12, forward_overhead_s=25e-6, layer_overhead_s=5e-6,
+                           datasheet="NVIDIA H100 datasheet (SXM5): 3.35 TB/s HBM3, 989 TFLOP/s dense BF16"),
 }
 
 
@@ -122,6 +124,11 @@ class ForwardShape:
         return device.forward_overhead_s + device.layer_overhead_s * self.layers + work
 
 
+def is_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` or any of cascade's native / quantized linears (a module with in / out features)."""
+    return hasattr(module, "in_features") and hasattr(module, "out_features")
+
+
 def linear_bytes(model: nn.Module) -> tuple[float, float]:
     """(bytes, weights) of every linear layer of ``model``: ``nn.Linear`` and cascade's native and
     quantized linears (any module with ``in_features`` / ``out_features``), counting the tensors each
@@ -129,7 +136,7 @@ def linear_bytes(model: nn.Module) -> tuple[float, float]:
     seen: set[int] = set()
     nbytes = count = 0.0
     for m in model.modules():
-        if not (hasattr(m, "in_features") and hasattr(m, "out_features")):
+        if not is_linear(m):
             continue
         count += float(m.in_features) * float(m.out_features)
         tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
@@ -187,10 +194,12 @@ class RobustCurve:
         self.samples: dict[int, deque[float]] = {}
         self.last: dict[int, int] = {}
         self.updates = 0
+        self._points: list[tuple[int, float, float]] | None = None  # the fit, until the next sample
 
     def update(self, n: int, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds < 0:
             return  # a broken timing is not a measurement
+        self._points = None
         self.updates += 1
         self.samples.setdefault(n, deque(maxlen=self.per_size)).append(seconds)
         self.last[n] = self.updates
@@ -212,11 +221,14 @@ class RobustCurve:
         return med, max(1.4826 * mad, 0.01 * med) * 1.2533 / math.sqrt(len(xs))  # the median's s.e. (normal noise)
 
     def points(self) -> list[tuple[int, float, float]]:
-        """(n, seconds, standard error) at every current n, seconds monotone and convex in n."""
-        ns = self.current()
-        stats = [self._stats(n) for n in ns]
-        monotone = isotonic([m for m, _ in stats], [len(self.samples[n]) for n in ns])
-        return [(n, t, se) for n, t, (_, se) in zip(ns, convex_minorant(ns, monotone), stats)]
+        """(n, seconds, standard error) at every current n, seconds monotone and convex in n (fitted
+        once per sample: the policy prices every candidate node from it)."""
+        if self._points is None:
+            ns = self.current()
+            stats = [self._stats(n) for n in ns]
+            monotone = isotonic([m for m, _ in stats], [len(self.samples[n]) for n in ns])
+            self._points = [(n, t, se) for n, t, (_, se) in zip(ns, convex_minorant(ns, monotone), stats)]
+        return self._points
 
     def predict(self, n: float) -> Price | None:
         pts = self.points()

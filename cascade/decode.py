@@ -146,14 +146,11 @@ def generate(
     recorder = _ForwardRecorder()
     with observe_forwards(recorder):
         if clock is None:
-            gen_out = _decode(target, prompt, drafter, max_new_tokens, sampling, gen, eos, verifier, progress,
-                              lambda: _now(device), None, recorder)
-        else:
-            with observe_forwards(clock.forward), running_on(clock):  # each forward advances the clock by its roofline
-                gen_out = _decode(target, prompt, drafter, max_new_tokens, sampling, gen, eos, verifier, progress,
-                                  clock.now, clock, recorder)
-    gen_out.forward_shapes = recorder.shapes
-    return gen_out
+            return _decode(target, prompt, drafter, max_new_tokens, sampling, gen, eos, verifier, progress,
+                           lambda: _now(device), None, recorder)
+        with observe_forwards(clock.forward), running_on(clock):  # each forward advances the clock by its roofline
+            return _decode(target, prompt, drafter, max_new_tokens, sampling, gen, eos, verifier, progress,
+                           clock.now, clock, recorder)
 
 
 class _ForwardRecorder:
@@ -246,4 +243,5 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, max_ne
             break
     bar.close()
     return Generation(new, len(prompt), steps, now() - t_start, t_prefilled - t_start, stop_reason, sampling,
-                      drafter_prefill_time_s=t_ready - t_prefilled, clock="measured" if clock is None else clock.label)
+                      drafter_prefill_time_s=t_ready - t_prefilled, clock="measured" if clock is None else clock.label,
+                      forward_shapes=recorder.shapes)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from torch import nn
 
+from cascade.costs import is_linear
+
 # the /proc/cpuinfo flags that decide which kernels run (cascade/models/native.py, FBGEMM, oneDNN)
 KERNEL_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c")
 
@@ -85,6 +87,5 @@ def cpu_identity(cpuinfo: str | None = None) -> CpuIdentity:
 
 def linear_kernels(model: nn.Module) -> dict[str, int]:
     """How many linear layers run on each kernel class (e.g. {'NativeFP16Linear': 197, 'Linear': 1})."""
-    counts = Counter(type(m).__name__ for m in model.modules()
-                     if isinstance(m, nn.Linear) or type(m).__name__.endswith("Linear"))
+    counts = Counter(type(m).__name__ for m in model.modules() if is_linear(m))
     return dict(sorted(counts.items()))

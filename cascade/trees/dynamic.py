@@ -88,22 +88,26 @@ class CallPrices:
         step = self.costs.verify(1)
         return step.seconds if step is not None and step.seconds > 0 else None
 
-    def _measured_verify(self) -> bool:
-        return self.target_step() is not None and (self.costs.predicts or self.costs.verify_sizes() >= 2)
+    def _verify_unit(self) -> float | None:
+        """The target step verification prices are divided by, once two sizes are measured (or
+        the prices are a device's); None: price by the prior slope."""
+        step = self.target_step()
+        return step if step is not None and (self.costs.predicts or self.costs.verify_sizes() >= 2) else None
 
     def verify_per_node(self, nodes: float) -> float:
         """Δverify(nodes): what one more node costs a verification of ``nodes`` nodes (nodes + 1
         inputs with the root), in target steps; the prior slope until two sizes are measured."""
-        if not self._measured_verify():
+        step = self._verify_unit()
+        if step is None:
             return self.policy.prior_verify_slope
-        step = self.target_step()
         return (self.costs.verify(nodes + 2).seconds - self.costs.verify(nodes + 1).seconds) / step
 
     def verify_nodes(self, nodes: int) -> tuple[float, float]:
         """(cost, standard error) of verifying ``nodes`` nodes, in target steps."""
-        if not self._measured_verify():
+        step = self._verify_unit()
+        if step is None:
             return 1.0 + self.policy.prior_verify_slope * nodes, 0.0
-        step, price = self.target_step(), self.costs.verify(nodes + 1)
+        price = self.costs.verify(nodes + 1)
         return price.seconds / step, price.sd / step
 
     def forward(self, i: int, width: int) -> float:
@@ -124,7 +128,6 @@ class CallPrices:
         """The drafting a tree cost, priced (target steps)."""
         return sum(self.forward(t.drafter, t.width) if t.width else self.lookup(t.drafter) for t in tree.timings)
 
-
     def snapshot(self) -> dict:
         """Seconds (``PolicyEstimates``' cost fields): forward-free proposals, LM drafters'
         forwards by width, the target's by input count."""
@@ -144,10 +147,6 @@ class _StepValue:
     @property
     def rate(self) -> float:
         return self.gain / self.cost
-
-    @property
-    def spine_rate(self) -> float:
-        return self.spine_gain / self.spine_cost
 
     def count(self, gain: float, per_node: float, first: bool = True) -> None:
         """A node added: its expected tokens and its Δverify (``first``: a first child)."""
