@@ -233,13 +233,42 @@ def corpus(name: str) -> list[str]:
     raise ValueError(f"unknown corpus {name!r}; use one of {CORPORA}")
 
 
+# what a trained draft head may have read: every training source of `cascade.train_head`
+HEAD_CORPORA = ("python_source", "gsm8k_qa", "humaneval_solutions", "gpqa_rest", "mtbench_rest", CONTINUATIONS)
+
+
+def corpus_texts(name: str) -> list[str]:
+    """The texts a corpus name stands for, whatever its kind: a plain corpus (``CORPORA``), a
+    question set (``QA_SETS``: question and answer) or the continuation prompts."""
+    if name in CORPORA:
+        return corpus(name)
+    if name in QA_SETS:
+        return [q + "\n" + a for q, a in qa_pairs(name)]
+    if name == CONTINUATIONS:
+        return [p.text for p in continuation_prompts()]
+    raise ValueError(f"unknown corpus {name!r}; use one of {CORPORA + QA_SETS + (CONTINUATIONS,)}")
+
+
+def reserve_overlap(prompts: list[Prompt], corpora: list[str]) -> dict[str, list[str]]:
+    """corpus name -> ids of the ``prompts`` whose text that corpus holds. Empty for prompts inside
+    the evaluation reserve (no corpus holds them); not empty when a benchmark evaluates prompts
+    whose text (and solution) a datastore, table or head has read: their speedups would be inflated."""
+    overlap = {}
+    for name in dict.fromkeys(corpora):
+        haystack = "\x00".join(corpus_texts(name))
+        hits = [p.id for p in prompts if p.text.strip() and p.text.strip() in haystack]
+        if hits:
+            overlap[name] = hits
+    return overlap
+
+
 def jsonl_file(path: str | Path, field: str = "prompt") -> list[Prompt]:
     """A user's JSONL file, one object per line with a ``field`` string (and optional ``id`` and
     ``category``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
-    prompts = []
+    prompts, seen = [], {}
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -249,7 +278,11 @@ def jsonl_file(path: str | Path, field: str = "prompt") -> list[Prompt]:
             raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from exc
         if not isinstance(row, dict) or not isinstance(row.get(field), str):
             raise ValueError(f"{path}:{lineno}: expected an object with a string field {field!r}")
-        prompts.append(Prompt(str(row.get("id", f"{path.stem}/{lineno}")), row[field], str(row.get("category", ""))))
+        prompt = Prompt(str(row.get("id", f"{path.stem}/{lineno}")), row[field], str(row.get("category", "")))
+        if prompt.id in seen:  # results are keyed by id: a repeat would overwrite the first's tokens and times
+            raise ValueError(f"{path}:{lineno}: prompt id {prompt.id!r} repeats line {seen[prompt.id]}'s; ids must be unique")
+        seen[prompt.id] = lineno
+        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts

@@ -45,7 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cascade import dirnames  # noqa: F401  (registers the job_dirname resolver hydra.sweep.subdir uses)
 from cascade.costs import DEVICES
-from cascade.data import encode, load_prompts
+from cascade.data import HEAD_CORPORA, Prompt, encode, load_prompts, reserve_overlap
 from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interleaved, summarize_methods
 from cascade.metrics import write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
@@ -54,6 +54,7 @@ from cascade.models.native import native_kernels, unavailable_reason
 from cascade.provenance import code_state, cpu_identity, linear_kernels
 from cascade.summary import Environment, MethodSummary, RunSummary
 from cascade.types import DrafterInfo, SamplingConfig
+from cascade.validation import config_errors
 from cascade.verify import VERIFIERS, verifier_named
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,42 @@ def method_configs(cfg: DictConfig) -> dict[str, DictConfig]:
     return {BASELINE: OmegaConf.create({"name": BASELINE, "drafter": None}), **{n: m for n, m in named.items() if n != BASELINE}}
 
 
+def method_corpora(mcfg: DictConfig) -> list[str]:
+    """The ``cascade.data`` corpora a method's drafters have read: every ``corpus`` list in its
+    config (datastores, pruned heads) and, for a trained draft head (a ``head`` that is not
+    "init"), every source a head may be trained on."""
+    found: list[str] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "corpus" and isinstance(value, list):
+                    found.extend(value)
+                elif key == "head" and isinstance(value, str) and value != "init":
+                    found.extend(HEAD_CORPORA)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(OmegaConf.to_container(mcfg, resolve=True))
+    return list(dict.fromkeys(found))
+
+
+def check_reserve(prompts: list[Prompt], methods: dict[str, DictConfig]) -> None:
+    """Refuse to evaluate prompts a method's corpora hold (their suffixes, tables or head training
+    text would inflate its speedup): the evaluation reserve (``cascade.data.RESERVED_*``) is the
+    only place benchmark prompts may come from when a method reads a corpus."""
+    for name, mcfg in methods.items():
+        overlap = reserve_overlap(prompts, method_corpora(mcfg))
+        if overlap:
+            said = "; ".join(f"{c} holds {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''} ({len(ids)})"
+                             for c, ids in overlap.items())
+            raise ConfigError(f"method {name!r} reads corpora that hold evaluated prompts: {said}. Evaluate inside the "
+                              "reserve (HumanEval 0-39: dataset.num_prompts<=40; GSM8K 0-199: <=200) or drop the method")
+
+
 def verify_rule(cfg: DictConfig, mcfg: DictConfig) -> str:
     """The sampled verification rule a method uses: its own ``verify``, else the run's."""
     return mcfg.get("verify") or cfg.get("verify") or "token"
@@ -96,7 +133,11 @@ def validate(cfg: DictConfig) -> SamplingConfig:
     device = cfg.get("device_model")
     if device is not None and device not in DEVICES:
         raise ConfigError(f"device_model: unknown device {device!r} (one of {', '.join(sorted(DEVICES))}; cascade/costs.py)")
-    for name, mcfg in method_configs(cfg).items():
+    methods = method_configs(cfg)
+    bad = config_errors(cfg, methods)
+    if bad:
+        raise ConfigError("bad value(s), nothing loaded: " + "; ".join(bad))
+    for name, mcfg in methods.items():
         if mcfg.get("drafter") is not None and mcfg.get("generate") is not None:
             raise ConfigError(f"method {name!r} sets both drafter and generate; a method is one or the other")
         if device is not None and mcfg.get("generate") is not None:
@@ -228,6 +269,7 @@ def run(cfg: DictConfig) -> RunSummary:
     _refuse_dirty_results(out_dir, cfg.get("allow_dirty", False))
     ds = cfg.dataset
     prompt_set = load_prompts(ds.name, ds.num_prompts, ds.path, ds.field, ds.get("per_category", 3))  # before any model loads
+    check_reserve(prompt_set, method_configs(cfg))
     torch.set_num_threads(cfg.threads)
 
     m = cfg.models

@@ -11,6 +11,7 @@ for a chain).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -30,11 +31,18 @@ class SamplingConfig:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature is None or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        # an int from a command line (temperature=2) is the number it names; transformers' warpers
+        # want floats, so it is stored as one
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        t = self.temperature
+        if not isinstance(t, float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
-        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+        if self.top_p is not None and not (isinstance(self.top_p, float) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
 
     @property

@@ -49,7 +49,7 @@ def test_drafter_with_same_size_other_tokenizer(tiny_target):
         (dict(input_ids=[1] * 600), "exceeds the context"),
         (dict(input_ids=[1, 2], max_new_tokens=0), "max_new_tokens must be a positive integer"),
         (dict(input_ids=[1, 2], max_new_tokens=-3), "max_new_tokens must be a positive integer"),
-        (dict(input_ids=[1, 2], temperature=-0.5), "temperature must be >= 0"),
+        (dict(input_ids=[1, 2], temperature=-0.5), "temperature must be a finite number >= 0"),
         (dict(input_ids=[1, 2], temperature=1.0, top_p=0.0), r"top_p must lie in \(0, 1\]"),
         (dict(input_ids=[1, 2], temperature=1.0, top_p=1.5), r"top_p must lie in \(0, 1\]"),
         (dict(input_ids=[1, 2], temperature=1.0, top_k=0), "top_k must be a positive integer"),
