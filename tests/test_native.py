@@ -673,3 +673,107 @@ def test_sampled_speculation_on_the_backend_is_lossless(method, setting):
     report = f"{method}/{setting} on native: p={p:.2g}; {samples.depth_report()}"
     assert samples.exercised(4, 20), report
     assert p > LEVEL, report
+
+
+# ---- every tensor argument of every native op is checked ------------------------------------------
+
+def _wrong(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` on another device (meta), of another dtype, or with a non-unit inner stride."""
+    if what == "device":
+        return torch.empty_like(t, device="meta")
+    if what == "dtype":
+        return t.to(torch.float64 if t.dtype != torch.float64 else torch.float32)
+    wide = torch.zeros(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]  # the same values, stride 2 along the last dimension
+
+
+def _linear_ops():
+    """(op name, kernel call taking keyword tensors, its tensor arguments) for each linear kind here."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 40, bias=True)
+    lin.weight.data = lin.weight.data.half().float()
+    ext = native_kernels()
+    x = torch.randn(3, 64)
+    cases = []
+    for cls, op in [(NativeFP16Linear, "linear_fp16"), (NativeInt8Linear, "linear_int8"), (NativeInt4Linear, "linear_int4"),
+                    (NativeInt8VNNILinear, "linear_int8_vnni"), (NativeInt4VNNILinear, "linear_int4_vnni")]:
+        if op == "linear_int8_vnni" and not _vnni():
+            continue
+        if op == "linear_int4_vnni" and not _int8_dot():
+            continue
+        m = cls(lin)
+        f = m.op_fields()
+        tensors = {"x": x, "packed": f["packed"], "bias": f["bias"]}
+        tensors.update({k: f[k] for k in ("scale", "colsum") if f.get(k) is not None})
+        if op in ("linear_int4", "linear_int4_vnni"):
+            tensors["scales"] = tensors.pop("scale")
+
+        def call(op=op, f=f, **t):
+            fn = getattr(ext, op)
+            if op == "linear_fp16":
+                return fn(t["x"], t["packed"], f["N"], t["bias"])
+            if op == "linear_int8":
+                return fn(t["x"], t["packed"], t["scale"], f["N"], t["bias"])
+            if op == "linear_int8_vnni":
+                return fn(t["x"], t["packed"], t["colsum"], t["scale"], f["N"], t["bias"])
+            return fn(t["x"], t["packed"], t["scales"], f["group"], f["N"], t["bias"])
+
+        cases.append((op, call, tensors))
+    return cases
+
+
+def _other_ops():
+    ext = native_kernels()
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    mask = torch.zeros(1, 1, 3, 5)
+    x4, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(1, 1, 3, 8)
+    g, u = torch.randn(3, 10), torch.randn(3, 10)
+    return [
+        ("attention", lambda **t: ext.attention(t["q"], t["k"], t["v"], t["mask"], 0.25), dict(q=q, k=k, v=v, mask=mask)),
+        ("rope", lambda **t: ext.rope(t["x"], t["cos"], t["sin"]), dict(x=x4, cos=cos, sin=sin)),
+        ("silu_mul", lambda **t: ext.silu_mul(t["gate"], t["up"]), dict(gate=g, up=u)),
+    ]
+
+
+# which arguments a kernel reads through strides of its own (any layout is fine there)
+_ANY_LAYOUT = {("attention", "mask"), ("rope", "cos"), ("rope", "sin"), ("silu_mul", "gate")}
+
+
+def test_every_native_op_checks_device_dtype_and_layout_of_every_tensor():
+    checked = 0
+    for op, call, tensors in _linear_ops() + _other_ops():
+        call(**tensors)  # the right arguments run
+        for name, t in tensors.items():
+            for what in ("device", "dtype", "layout"):
+                if what == "layout" and ((op, name) in _ANY_LAYOUT or t.shape[-1] == 1):
+                    continue
+                bad = {**tensors, name: _wrong(t, what)}
+                with pytest.raises(RuntimeError, match=f"{op}: {name} (must|needs)"):
+                    call(**bad)
+                checked += 1
+    assert checked >= 40
+
+
+def test_rms_norm_refuses_a_tensor_off_the_cpu():
+    ext = native_kernels()
+    x, w = torch.randn(2, 16), torch.ones(16)
+    for bad in ({"x": x.to("meta"), "w": w}, {"x": x, "w": w.to("meta")}):
+        with pytest.raises(RuntimeError, match="rms_norm: x and weight must be on the CPU"):
+            ext.rms_norm(bad["x"], bad["w"], 1e-6, 16)
+
+
+def test_a_query_with_every_key_masked_is_an_error_not_nan():
+    ext = native_kernels()
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    for D in (16, 160):  # the wide kernel (D <= 128 on AVX-512) and the general one
+        q, k, v = torch.randn(1, 4, 3, D), torch.randn(1, 2, 5, D), torch.randn(1, 2, 5, D)
+        mask = torch.zeros(1, 1, 3, 5)
+        mask[0, 0, 1] = float("-inf")
+        with pytest.raises(RuntimeError, match="attention: query 1 of batch row 0 has every key masked"):
+            ext.attention(q, k, v, mask, 0.25)
+        mask[0, 0, 1] = torch.finfo(torch.float32).min  # transformers' way of writing a hidden key
+        with pytest.raises(RuntimeError, match="every key masked"):
+            ext.attention(q, k, v, mask, 0.25)
+        mask[0, 0, 1, 4] = 0.0
+        assert not ext.attention(q, k, v, mask, 0.25).isnan().any()

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cascade.models.build_lock import DEFAULT_TIMEOUT_S, build_lock
 from cascade.models.exact_fp16 import InexactWeightError, fp16_inexact
 
 log = logging.getLogger(__name__)
@@ -60,15 +61,18 @@ def _build_dir() -> Path:
     return zoo.cache_root() / "native" / f"torch{torch.__version__}-{digest}"
 
 
-def build_extension(name: str, source: Path, build_dir: Path, extra_cflags: tuple[str, ...] = ()):
+def build_extension(name: str, source: Path, build_dir: Path, extra_cflags: tuple[str, ...] = (),
+                    lock_timeout_s: float = DEFAULT_TIMEOUT_S):
     """Compile (or load the cached build of) a kernels source as the extension module ``name``
     in ``build_dir``, with this module's flags (``extra_cflags`` after them: the experiments'
-    -D variants and other revisions of the source)."""
+    -D variants and other revisions of the source). Under cascade's build lock (``build_lock``:
+    torch's own lock waits forever on one a killed build left); ``BuildLockTimeout`` when another
+    live build holds it past ``lock_timeout_s``."""
     from torch.utils.cpp_extension import load
 
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(source)], build_directory=str(build_dir), extra_cflags=CFLAGS + list(extra_cflags),
-                extra_ldflags=["-fopenmp"], verbose=False)
+    with build_lock(build_dir, lock_timeout_s):
+        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                    extra_cflags=CFLAGS + list(extra_cflags), extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def native_kernels():
@@ -86,7 +90,7 @@ def native_kernels():
             module = build_extension("cascade_native", SOURCE, _build_dir())
             if module.isa() == "none":
                 module, reason = None, "this CPU has neither AVX-512 nor AVX2 + FMA + F16C"
-        except Exception as exc:  # no compiler, missing headers, a failed build: fall back, say why
+        except Exception as exc:  # no compiler, missing headers, a failed build, a lock held too long: fall back, say why
             module, reason = None, f"the extension did not build ({type(exc).__name__}: {str(exc).strip()[-300:]})"
     _state["module"], _state["reason"] = module, reason
     if reason:

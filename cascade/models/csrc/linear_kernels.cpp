@@ -450,15 +450,37 @@ void panel_passes(int count, Fn&& pass) {
 // Valid columns of the last panel of a pass over panels p .. p + pp - 1.
 inline int pass_ncols(int64_t N, int64_t p, int pp) { return static_cast<int>(std::min<int64_t>(NC, N - (p + pp - 1) * NC)); }
 
-void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, const c10::optional<torch::Tensor>& bias) {
+// Every tensor an op reads: on the CPU (the kernels dereference its data pointer), of the dtype
+// the kernel reads, and laid out as the kernel walks it (contiguous; unit stride along the last
+// dimension; or any strides, read through them).
+enum class Layout { contiguous, unit_inner, strided };
+
+void expect(const torch::Tensor& t, const char* op, const char* name, c10::ScalarType dtype, Layout layout) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is missing");
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", c10::toString(dtype), ", got ", t.scalar_type());
+  if (layout == Layout::contiguous) TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  if (layout == Layout::unit_inner)
+    TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) == 1, op, ": ", name, " needs unit stride along its last dimension");
+}
+
+void expect_bias(const c10::optional<torch::Tensor>& bias, const char* op, int64_t N) {
+  if (!bias) return;
+  expect(*bias, op, "bias", torch::kFloat32, Layout::contiguous);
+  TORCH_CHECK(bias->numel() == N, op, ": bias must be [N] fp32");
+}
+
+void check_inputs(const char* op, const torch::Tensor& x, const torch::Tensor& packed, c10::ScalarType packed_dtype, int64_t N,
+                  const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && (x.stride(1) == 1 || x.size(1) == 1),
-              "x must be a 2-D fp32 tensor with unit stride along K");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) * (packed.scalar_type() == torch::kUInt8 ? 2 : 1) == NC,
-              "packed weight must be [P, K, 32] (int4: [P, K, 16])");
+  expect(x, op, "x", torch::kFloat32, Layout::unit_inner);
+  expect(packed, op, "packed", packed_dtype, Layout::contiguous);
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) * (packed.scalar_type() == torch::kUInt8 ? 2 : 1) == NC,
+              op, ": packed weight must be [P, K, 32] (int4: [P, K, 16])");
   TORCH_CHECK(packed.size(1) == x.size(1), "x has K = ", x.size(1), ", the weight ", packed.size(1));
   TORCH_CHECK(N > (packed.size(0) - 1) * NC && N <= packed.size(0) * NC, "N = ", N, " does not match ", packed.size(0), " panels");
-  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias must be [N] fp32");
+  expect_bias(bias, op, N);
 }
 
 // AVX2 passes over panels pg .. pg + count - 1 of an M-row call. Rows go in blocks of up to 6 as
@@ -507,8 +529,7 @@ void linear_avx2(const float* xp, int64_t ldx, int64_t M, const WT* wp, int64_t 
 
 torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                           const c10::optional<torch::Tensor>& bias) {
-  check_inputs(x, packed, N, bias);
-  TORCH_CHECK(packed.scalar_type() == torch::kFloat16, "fp16 kernel needs a float16 packed weight");
+  check_inputs("linear_fp16", x, packed, torch::kFloat16, N, bias);
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -556,11 +577,10 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale, int64_t N,
                           const c10::optional<torch::Tensor>& bias) {
-  check_inputs(x, packed, N, bias);
-  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "int8 kernel needs an int8 packed weight");
+  check_inputs("linear_int8", x, packed, torch::kInt8, N, bias);
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == P * NC,
-              "scale must be [P * 32] fp32 (padded)");
+  expect(scale, "linear_int8", "scale", torch::kFloat32, Layout::contiguous);
+  TORCH_CHECK(scale.numel() == P * NC, "linear_int8: scale must be [P * 32] fp32 (padded)");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
@@ -590,11 +610,11 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
 
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias) {
-  check_inputs(x, packed, N, bias);
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "int4 kernel needs a uint8 packed weight");
+  check_inputs("linear_int4", x, packed, torch::kUInt8, N, bias);
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
   TORCH_CHECK(group > 0 && K % group == 0, "K = ", K, " is not a multiple of the group size ", group);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
+  expect(scales, "linear_int4", "scales", torch::kFloat32, Layout::contiguous);
+  TORCH_CHECK(scales.dim() == 3 &&
                   scales.size(0) == P && scales.size(1) == K / group && scales.size(2) == NC,
               "scales must be [P, K / group, 32] fp32");
   const float* xp = x.data_ptr<float>();
@@ -850,10 +870,10 @@ void with_chunks(int64_t dc, Fn&& fn) {  // fn(std::integral_constant<int, dc>) 
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask, double scaling) {
   TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
+  expect(q, "attention", "q", torch::kFloat32, Layout::unit_inner);
+  expect(k, "attention", "k", torch::kFloat32, Layout::unit_inner);
+  expect(v, "attention", "v", torch::kFloat32, Layout::unit_inner);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, heads, length, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
-              "q, k, v must be fp32");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "q, k, v need unit stride along D");
   const int64_t B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == L && k.size(3) == D && v.size(3) == D,
               "k and v must be [B, Hkv, L, D] like q's D");
@@ -862,7 +882,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const float* mp = nullptr;
   int64_t ms_b = 0, ms_i = 0, ms_j = 0;
   if (mask) {
-    TORCH_CHECK(mask->dim() == 4 && mask->scalar_type() == torch::kFloat32 && mask->size(1) == 1 && mask->size(2) == n &&
+    expect(*mask, "attention", "mask", torch::kFloat32, Layout::strided);
+    TORCH_CHECK(mask->dim() == 4 && mask->size(1) == 1 && mask->size(2) == n &&
                     mask->size(3) == L && (mask->size(0) == B || mask->size(0) == 1),
                 "mask must be [B or 1, 1, n, L] fp32 (0 / -inf)");
     mp = mask->data_ptr<float>();
@@ -870,6 +891,17 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     ms_i = mask->stride(2);
     ms_j = mask->stride(3);
   }
+  // mask values at or below this hide a key: its weight exp(score - max) would be exactly 0, so
+  // skipping it gives the same sums (a mask may write -inf or the dtype's lowest value)
+  const float hidden = -std::numeric_limits<float>::max() / 2;
+  // a query that may see no key has no softmax (0 / 0): an error naming it, never a row of NaN
+  for (int64_t b = 0; mp && b < B; ++b)
+    for (int64_t i = 0; i < n; ++i) {
+      const float* mi = mp + b * ms_b + i * ms_i;
+      bool sees = false;
+      for (int64_t j = 0; j < L && !sees; ++j) sees = mi[j * ms_j] > hidden;
+      TORCH_CHECK(sees, "attention: query ", i, " of batch row ", b, " has every key masked (its softmax is undefined)");
+    }
   auto out = torch::empty({B, n, H, D}, q.options());  // the layout transformers' attention functions return
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -878,9 +910,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const int64_t group = H / Hkv;
   const bool wide = isa() == Isa::avx512;
   const float scale = static_cast<float>(scaling);
-  // mask values at or below this hide a key: its weight exp(score - max) would be exactly 0, so
-  // skipping it gives the same sums (a mask may write -inf or the dtype's lowest value)
-  const float hidden = -std::numeric_limits<float>::max() / 2;
   const int64_t chunks = (D + 15) / 16;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), ks0 = k.stride(0), ks1 = k.stride(1),
                 ks2 = k.stride(2), vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
@@ -1078,15 +1107,17 @@ bool has_vnni() {
 torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& colsum,
                                const torch::Tensor& scale, int64_t N, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(has_vnni(), "the int8 x int8 kernel needs AVX-512 VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && (x.stride(1) == 1 || x.size(1) == 1), "x must be 2-D fp32");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kInt8 && packed.is_contiguous() && packed.size(2) == NC &&
-                  packed.size(3) == 4, "packed weight must be [P, K4 / 4, 32, 4] int8");
+  expect(x, "linear_int8_vnni", "x", torch::kFloat32, Layout::unit_inner);
+  expect(packed, "linear_int8_vnni", "packed", torch::kInt8, Layout::contiguous);
+  expect(colsum, "linear_int8_vnni", "colsum", torch::kInt32, Layout::contiguous);
+  expect(scale, "linear_int8_vnni", "scale", torch::kFloat32, Layout::contiguous);
+  TORCH_CHECK(x.dim() == 2, "linear_int8_vnni: x must be 2-D [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == NC && packed.size(3) == 4, "packed weight must be [P, K4 / 4, 32, 4] int8");
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), K4 = packed.size(1) * 4, ldx = x.stride(0);
   TORCH_CHECK(K4 >= K && K4 - K < 4, "x has K = ", K, ", the weight ", K4, " (padded to 4)");
   TORCH_CHECK(N > (P - 1) * NC && N <= P * NC, "N = ", N, " does not match ", P, " panels");
-  TORCH_CHECK(colsum.scalar_type() == torch::kInt32 && colsum.numel() == P * NC && scale.scalar_type() == torch::kFloat32 &&
-                  scale.numel() == P * NC, "colsum [P * 32] int32 and scale [P * 32] fp32");
-  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias must be [N] fp32");
+  TORCH_CHECK(colsum.numel() == P * NC && scale.numel() == P * NC, "colsum [P * 32] int32 and scale [P * 32] fp32");
+  expect_bias(bias, "linear_int8_vnni", N);
   // 1. quantize each row: xq = round(x / sx) + 128, sx = max|x| / 127 (padding k: 128, i.e. zero)
   auto xq = torch::full({M, K4}, 128, x.options().dtype(torch::kUInt8));
   auto sx = torch::empty({M}, x.options());
@@ -1309,17 +1340,18 @@ torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& pack
                                int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias) {
   const bool vnni = has_vnni();
   TORCH_CHECK(vnni || isa() != Isa::none, "the int4 x int8 kernel needs AVX-512 VNNI or AVX2");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && (x.stride(1) == 1 || x.size(1) == 1), "x must be 2-D fp32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 64,
-              "packed weight must be [P, K / 4, 64] uint8");
+  expect(x, "linear_int4_vnni", "x", torch::kFloat32, Layout::unit_inner);
+  expect(packed, "linear_int4_vnni", "packed", torch::kUInt8, Layout::contiguous);
+  expect(scales, "linear_int4_vnni", "scales", torch::kFloat32, Layout::contiguous);
+  TORCH_CHECK(x.dim() == 2, "linear_int4_vnni: x must be 2-D [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64, "packed weight must be [P, K / 4, 64] uint8");
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), ldx = x.stride(0);
   TORCH_CHECK(packed.size(1) * 4 == K, "x has K = ", K, ", the weight ", packed.size(1) * 4);
   TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, "K = ", K, " is not a multiple of the group size ", group);
   TORCH_CHECK(N > (P - 1) * NC && N <= P * NC, "N = ", N, " does not match ", P, " panels");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == P && scales.size(1) == K / group && scales.size(2) == NC,
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == P && scales.size(1) == K / group && scales.size(2) == NC,
               "scales must be [P, K / group, 32] fp32");
-  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias must be [N] fp32");
+  expect_bias(bias, "linear_int4_vnni", N);
   // 1. quantize each row: xq = round(x / sx), sx = max|x| / 127; per group the sum of xq
   const int64_t ldxs = K / group;
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
@@ -1491,6 +1523,9 @@ struct NormOp {
   int64_t lanes;
 
   torch::Tensor operator()(const torch::Tensor& x) const {  // [n, E] -> [n, E]
+    // dtypes other than fp32 take ATen's ops (below); the native loop reads x and weight on the CPU
+    TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm: x and weight must be on the CPU, got ",
+                x.device(), " and ", weight.device());
     const bool native = (lanes == 8 || lanes == 16) && x.dim() == 2 && x.scalar_type() == torch::kFloat32 &&
                         weight.scalar_type() == torch::kFloat32 && x.size(1) == weight.numel() &&
                         x.size(1) < 32768;  // ATen splits a longer single row over threads (another order)
@@ -1530,14 +1565,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 // x [1, H, n, D] (any strides, unit along D), cos / sin [1, 1, n, D] -> out [1, H, n, D] (any
 // strides, unit along D: a fresh tensor, or the cache's slots for this call's keys).
 void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
-  TORCH_CHECK(x.dim() == 4 && x.size(0) == 1 && x.scalar_type() == torch::kFloat32 && x.stride(3) == 1,
-              "rope: x must be [1, H, n, D] fp32 with unit stride along D");
+  expect(x, "rope", "x", torch::kFloat32, Layout::unit_inner);
+  expect(cos, "rope", "cos", torch::kFloat32, Layout::strided);  // expanded and made contiguous below
+  expect(sin, "rope", "sin", torch::kFloat32, Layout::strided);
+  expect(out, "rope", "out", torch::kFloat32, Layout::unit_inner);
+  TORCH_CHECK(x.dim() == 4 && x.size(0) == 1, "rope: x must be [1, H, n, D] fp32 with unit stride along D");
   const int64_t H = x.size(1), n = x.size(2), D = x.size(3), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "rope: D must be even");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == torch::kFloat32 && out.stride(3) == 1,
-              "rope: out must be fp32 shaped like x with unit stride along D");
+  TORCH_CHECK(out.sizes() == x.sizes(), "rope: out must be fp32 shaped like x with unit stride along D");
   auto c = cos.expand({1, 1, n, D}).contiguous(), s = sin.expand({1, 1, n, D}).contiguous();
-  TORCH_CHECK(c.scalar_type() == torch::kFloat32 && s.scalar_type() == torch::kFloat32, "rope: cos / sin must be fp32");
   const float* xp = x.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
@@ -1570,8 +1606,9 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 // the separate projection's output is (ATen's vector and scalar exp may differ in the last bit,
 // and its loop runs a contiguous tensor as one run). up [n, I], unit stride along I.
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
-  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && gate.scalar_type() == torch::kFloat32 &&
-              up.scalar_type() == torch::kFloat32 && up.stride(1) == 1, "silu_mul: fp32 [n, I] gate and up");
+  expect(gate, "silu_mul", "gate", torch::kFloat32, Layout::strided);  // made contiguous below
+  expect(up, "silu_mul", "up", torch::kFloat32, Layout::unit_inner);
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes(), "silu_mul: fp32 [n, I] gate and up");
   auto out = torch::silu(gate.contiguous());  // [n, I], fresh
   const int64_t n = out.size(0), I = out.size(1);
   const int64_t up_row = up.stride(0);
@@ -1585,8 +1622,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
 
 // y += h in place (y fresh [n, E] from a linear; h [n, E]): the residual, h + y bit for bit.
 torch::Tensor add_residual(torch::Tensor y, const torch::Tensor& h) {
-  TORCH_CHECK(y.is_contiguous() && y.sizes() == h.sizes() && h.scalar_type() == y.scalar_type() &&
-              y.scalar_type() == torch::kFloat32, "add_residual: fp32 y, h of one shape, y contiguous");
+  expect(y, "add_residual", "y", torch::kFloat32, Layout::contiguous);
+  expect(h, "add_residual", "h", torch::kFloat32, Layout::strided);  // made contiguous below
+  TORCH_CHECK(y.sizes() == h.sizes(), "add_residual: fp32 y, h of one shape, y contiguous");
   auto hc = h.contiguous();
   float* __restrict yp = y.data_ptr<float>();  // y is fresh: no alias with h
   const float* __restrict hp = hc.data_ptr<float>();
@@ -1695,6 +1733,9 @@ torch::Tensor layer_step(const torch::Tensor& h, const LayerOps& L, const torch:
                          int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
                          const c10::optional<torch::Tensor>& mask) {
   const int64_t n = h.size(0);
+  expect(h, "layer_step", "h", torch::kFloat32, Layout::unit_inner);
+  expect(k_buf, "layer_step", "k_buf", torch::kFloat32, Layout::unit_inner);
+  expect(v_buf, "layer_step", "v_buf", torch::kFloat32, Layout::unit_inner);
   TORCH_CHECK(k_buf.dim() == 4 && v_buf.sizes() == k_buf.sizes() && start >= 0 && start + n <= k_buf.size(2),
               "layer_step: k_buf / v_buf [1, Hkv, capacity, D] with room for positions [start, start + n)");
   auto k_out = k_buf.narrow(2, start, n), v_out = v_buf.narrow(2, start, n);
