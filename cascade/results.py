@@ -7,7 +7,8 @@ records on demand) and the incomplete job directories
 dropped. A malformed file raises ``GatherError`` naming it (and the line, for ``steps.jsonl``).
 ``analysis.gather`` builds its pandas table on this.
 
-``python -m cascade.results DIR`` prints one line per (job, method).
+``python -m cascade.results DIR`` prints each run's provenance line (``Environment.header``),
+then one line per (job, method).
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m cascade.results RESULT_DIR", file=sys.stderr)
         return 2
-    rows, incomplete = gather(argv[0])
+    jobs, incomplete = load_jobs(argv[0])
+    rows, _ = gather(argv[0])
+    for job in jobs:
+        print(f"{job.dir}: {job.summary.environment.header()}")
     for r in rows:
         print("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "dir"))
     for job in incomplete:

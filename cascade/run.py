@@ -167,7 +167,8 @@ def build_method(mcfg: DictConfig, rule: str = "token") -> Method:
     return SpeculativeMethod(None if mcfg.get("drafter") is None else instantiate(mcfg.drafter), verifier_named(rule))
 
 
-def _environment(target) -> Environment:
+def _environment(target, models: list) -> Environment:
+    """Where the numbers come from: code, CPU, kernels, and every loaded model's backend."""
     code, cpu = code_state(), cpu_identity()
     kernels = native_kernels()
     isa = {} if kernels is None else {"fp32_fp16w": kernels.isa(), "int8_dot": kernels.int8_dot_isa()}
@@ -179,16 +180,8 @@ def _environment(target) -> Environment:
         git_dirty=code.dirty, git_diff_sha256=code.diff_sha256, cascade=version("cascade"), cpu_vendor=cpu.vendor,
         cpu_family=cpu.family, cpu_model=cpu.model, cpu_stepping=cpu.stepping, native_isa=isa,
         native_unavailable=unavailable_reason(), target_kernels=linear_kernels(target.model),
+        backends={lm.name: str(lm.backend) for lm in [target, *models]},
     )
-
-
-def provenance_line(env: Environment) -> str:
-    """The run table's header: the code, the CPU and the kernels that made the numbers."""
-    commit = (env.git_commit or "no commit")[:10] + (f" DIRTY (diff {env.git_diff_sha256})" if env.git_dirty else "")
-    isa = ", ".join(f"{k} {v}" for k, v in env.native_isa.items()) or f"native unavailable: {env.native_unavailable}"
-    kernels = ", ".join(f"{k} x{v}" for k, v in env.target_kernels.items())
-    return (f"# commit {commit} | {env.cpu} (family {env.cpu_family} model {env.cpu_model}) | {env.threads} threads | "
-            f"{isa} | target linears: {kernels} | torch {env.torch}")
 
 
 def _refuse_dirty_results(out_dir: Path, allow: bool) -> None:
@@ -273,10 +266,10 @@ def run(cfg: DictConfig) -> RunSummary:
     torch.set_num_threads(cfg.threads)
 
     m = cfg.models
-    with shared_models():  # methods naming the same model share one copy
-        target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+    with shared_models() as loaded:  # methods naming the same model share one copy
+        target = load_model(m.target, m.backend, m.device)
         methods = {name: build_method(mcfg, verify_rule(cfg, mcfg)) for name, mcfg in method_configs(cfg).items()}
-    env = _environment(target)  # before decoding: the code and kernels the numbers come from
+    env = _environment(target, list(loaded.values()))  # before decoding: the code and kernels the numbers come from
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 
@@ -294,7 +287,7 @@ def run(cfg: DictConfig) -> RunSummary:
         ({"method": n, "prompt": p.id, **s.to_dict()} for n, g in gens.items() for p, gen in zip(prompt_set, g) for s in gen.steps),
     )
     write_json_atomic(out_dir / "summary.json", summary.to_dict())  # last: its presence marks a complete run
-    print(provenance_line(env))
+    print(env.header())
     if clock != "measured":
         print(f"# PREDICTED, not measured: every time, tok/s and speedup below is a virtual clock's ({clock}; "
               "roofline: cascade/costs.py); the tokens are real")

@@ -179,6 +179,17 @@ class Environment:
     native_isa: dict[str, str] = field(default_factory=dict)  # the native kernels' instruction sets ({} when unavailable)
     native_unavailable: str | None = None  # why the native kernels are not used, when they are not
     target_kernels: dict[str, int] = field(default_factory=dict)  # the target's linear layers per kernel class
+    backends: dict[str, str] = field(default_factory=dict)  # every model the run loaded -> its Backend's name
+
+    def header(self) -> str:
+        """One line: the code, the CPU, the backends and kernels that made the numbers (the run
+        table's first line; ``python -m cascade.results`` prints it per run)."""
+        commit = (self.git_commit or "no commit")[:10] + (f" DIRTY (diff {self.git_diff_sha256})" if self.git_dirty else "")
+        isa = ", ".join(f"{k} {v}" for k, v in self.native_isa.items()) or f"native unavailable: {self.native_unavailable}"
+        kernels = ", ".join(f"{k} x{v}" for k, v in self.target_kernels.items())
+        backends = ", ".join(f"{name} {b}" for name, b in self.backends.items())
+        return (f"# commit {commit} | {self.cpu} (family {self.cpu_family} model {self.cpu_model}) | {self.threads} threads | "
+                f"{isa} | backends: {backends} | target linears: {kernels} | torch {self.torch}")
 
 
 @dataclass

@@ -108,7 +108,7 @@ def train(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
 
     m = cfg.models
-    lm = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+    lm = load_model(m.target, m.backend, m.device)
     n_layers = decoder_parts(lm).num_layers
     if t.exit_layer >= n_layers:
         raise ConfigError(f"train.exit_layer {t.exit_layer} must be below the target's {n_layers} layers")

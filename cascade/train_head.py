@@ -185,7 +185,7 @@ def run_fingerprint(cfg: DictConfig, features_dir: Path) -> dict:
     continuations (the same text whichever)."""
     train = {k: v for k, v in OmegaConf.to_container(cfg.train, resolve=True).items()
              if k not in ("save_to", "resume", "features_dir", "continuation_drafter")}
-    return {"train": train, "seed": cfg.seed, "target": cfg.models.target, "dtype": cfg.models.dtype,
+    return {"train": train, "seed": cfg.seed, "target": cfg.models.target, "backend": cfg.models.backend,
             "features": features_dir.name}
 
 
@@ -287,7 +287,7 @@ def train(cfg: DictConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     m = cfg.models
-    lm = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+    lm = load_model(m.target, m.backend, m.device)
     for p in lm.model.parameters():  # the target is frozen: no gradient for its embedding or head
         p.requires_grad_(False)
     sources = dict(t.sources)

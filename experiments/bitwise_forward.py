@@ -69,7 +69,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     lo, _, hi = args.ks.partition("-")
     ks = list(range(int(lo), int(hi) + 1)) if hi else [int(k) for k in args.ks.split(",")]
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(args.model, backend=args.dtype)
     cache = lm.new_cache()
     lm.forward(lm.encode(PROMPT), cache)
     past = lm.cache_len(cache)

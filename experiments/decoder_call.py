@@ -33,7 +33,7 @@ def main() -> None:
     print(f"{args.model}, {args.threads} threads, 200-token cache, median of {args.repeats}; ms per forward")
     print(f"{'format':12s} {'k':>3s} {'one call':>9s} {'per layer':>10s} {'ratio':>6s}")
     for fmt in args.formats.split(","):
-        lm = load_model(args.model, dtype="native") if fmt == "native" else load_model(args.model, quantize=fmt)
+        lm = load_model(args.model, backend="native") if fmt == "native" else load_model(args.model, backend=fmt)
         lean = lm.lean
         if lean is None or lean.decoder is None:
             raise SystemExit(f"{fmt}: the lean forward does not run {args.model} as one call")

@@ -86,7 +86,7 @@ def main() -> None:
                 raise SystemExit(f"{name}: the two paths sampled different tokens (round {r}, generation {bad}: "
                                  f"{both[False][bad]} vs {both[True][bad]})")
     if args.model:
-        real = load_model(args.model, dtype=args.dtype)
+        real = load_model(args.model, backend=args.dtype)
         for r in range(args.rounds):
             for direct in ((False, True) if r % 2 == 0 else (True, False)):
                 set_path([real], direct)

@@ -155,7 +155,7 @@ def forward_cost_problems(times: dict[int, float], memory_bound_k: int = 4, memo
 def main_job(tiny: bool, device: str, run_dir: Path, near_tie: float):
     args = [sys.executable, "-m", "cascade.run", "+experiment=csd_two_level", "progress=false", "overwrite=true",
             f"hydra.run.dir={run_dir}"]
-    args += ["debug=tiny"] if tiny else ["models.device=" + device, "models.dtype=bfloat16", "models.drafter_dtype=bfloat16"]
+    args += ["debug=tiny"] if tiny else ["models.device=" + device, "models.backend=bfloat16", "models.drafter_backend=bfloat16"]
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=1200)
     table = [ln for ln in proc.stdout.splitlines() if ln.strip()][-6:]
     if proc.returncode != 0:
@@ -200,7 +200,7 @@ def roofline_prediction(tiny: bool, device: str, run_dir: Path, entry: str):
 
     common = [sys.executable, "-m", "cascade.run", "+experiment=bench/dytc_device", "progress=false", "overwrite=true",
               "dataset=humaneval", "dataset.num_prompts=4", "models.head=init"]
-    common += ["debug=tiny"] if tiny else ["models.device=" + device, "models.dtype=bfloat16", "models.drafter_dtype=bfloat16"]
+    common += ["debug=tiny"] if tiny else ["models.device=" + device, "models.backend=bfloat16", "models.drafter_backend=bfloat16"]
     speed = {}
     for label, extra in (("measured", []), ("predicted", [f"device_model={entry}"])):
         out_dir = run_dir / label
@@ -233,8 +233,8 @@ def main() -> int:
     out = Path(args.out or (ROOT / ("outputs/gpu_check_tiny.md" if tiny else "docs/gpu_check.md")))
     n = args.tokens or (12 if tiny else 48)
     torch.set_num_threads(2 if tiny else torch.get_num_threads())
-    target = load_model("tiny:0" if tiny else "qwen2.5-coder-1.5b", dtype=dtype, device=device)
-    small = load_model("tiny:1" if tiny else "qwen2.5-coder-0.5b", dtype=dtype, device=device)
+    target = load_model("tiny:0" if tiny else "qwen2.5-coder-1.5b", backend=dtype, device=device)
+    small = load_model("tiny:1" if tiny else "qwen2.5-coder-0.5b", backend=dtype, device=device)
     # tiny models are random: the target drafts for itself so that drafts are accepted
     drafter_lm = target if tiny else small
     prompt_set = BUILTIN[: 2 if tiny else 4]

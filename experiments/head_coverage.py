@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
-    lm = load_model(args.drafter, dtype=args.dtype)
+    lm = load_model(args.drafter, backend=args.dtype)
     texts = [lm.encode(p.text)[: args.max_tokens] for p in load_prompts("humaneval_full", args.num_texts)]
     full = [lm.forward(ids, lm.new_cache()).argmax(-1) for ids in texts]  # [n] per text
     print(f"{args.drafter} ({args.dtype}), {len(texts)} HumanEval texts (prompt + solution), {sum(map(len, texts))} positions")

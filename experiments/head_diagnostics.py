@@ -74,7 +74,7 @@ def alignment(args) -> None:
     from cascade.data import load_prompts
 
     lm = load_model(args.target)
-    stock = load_model(args.target, dtype="float32")
+    stock = load_model(args.target, backend="float32")
     rows = _rows(lm, None)
     print(f"{args.target}: training capture on {lm.dtype} ({type(decoder_parts(lm).head).__name__}) against stock "
           f"transformers fp32 (output_hidden_states[-1], logits)")

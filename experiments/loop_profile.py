@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
     target = load_model(args.target)
-    small = load_model(args.small) if args.drafter == "fp16" else load_model(args.small, quantize=args.drafter)
+    small = load_model(args.small) if args.drafter == "fp16" else load_model(args.small, backend=args.drafter)
     prompts = [target.encode(p.text) for p in load_prompts("humaneval")[: args.prompts]]
 
     def drafter():  # ``small`` is already on its backend (loaded quantized): no copy per prompt

@@ -63,7 +63,7 @@ def paired(args, overrides: list[str]) -> None:
     torch.set_num_threads(cfg.threads)
     ds, m = cfg.dataset, cfg.models
     prompt_set = load_prompts(ds.name, ds.num_prompts, ds.path, ds.field, ds.get("per_category", 3))
-    target = load_model(m.target, dtype=m.dtype, device=m.device, onednn=m.onednn)
+    target = load_model(m.target, m.backend, m.device)
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     chosen = {n: c for n, c in method_configs(cfg).items() if c.get("drafter") is not None and verify_rule(cfg, c) == "token"}
     recorders = {n: PairedRecorder() for n in chosen}

@@ -156,7 +156,7 @@ def test_train_then_run_loads_the_written_weights(tmp_path, tiny_target, precisi
     written = torch.load(tmp_path / "head.pt", weights_only=True)
     from cascade.models import load_model
 
-    target = load_model(cfg.models.target, dtype=cfg.models.dtype)
+    target = load_model(cfg.models.target, cfg.models.backend)
     drafter = DraftHeadDrafter(str(tmp_path / "head.pt"), k=3)
     drafter.check_compatible(target)
     state = drafter.head.state_dict()
@@ -376,7 +376,7 @@ def test_continuations_are_greedy_cached_and_resumable(tmp_path, monkeypatch):
     from cascade.head_training import ContinuationSource, corpus_chunks
     from cascade.models import load_model
 
-    lm = load_model("tiny:0", dtype="float32")
+    lm = load_model("tiny:0", backend="float32")
     first = list(itertools.islice(cont.continuations(lm, 4, root=tmp_path, progress=False), 3))
     path = cont.cache_file(lm, 4, tmp_path)
     assert len(path.read_text().splitlines()) == 3  # lazy: three read, three generated
@@ -405,7 +405,7 @@ def test_continuations_are_greedy_cached_and_resumable(tmp_path, monkeypatch):
 
     def small_lm():
         built.append(1)
-        return SmallLMDrafter(load_model("tiny:1", dtype="float32"), k=3)
+        return SmallLMDrafter(load_model("tiny:1", backend="float32"), k=3)
 
     drafted = list(itertools.islice(cont.continuations(lm, 4, root=tmp_path / "lm", progress=False,
                                                        make_drafter=small_lm), 3))

@@ -190,10 +190,10 @@ def test_bad_inputs(target):
         d = LayerSkipDrafter(2)
         d.check_compatible(target)
         d.propose([1, 2, 3], 2)
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        load_model("tiny:0", quantize="nf4", device="cpu")
-    with pytest.raises(ValueError, match="unknown quantization"):
-        load_model("tiny:0", quantize="int3")
+    with pytest.raises(ValueError, match="backend 'nf4' runs on cuda only"):
+        load_model("tiny:0", "nf4", device="cpu")
+    with pytest.raises(ValueError, match="unknown backend 'int3'"):
+        load_model("tiny:0", "int3")
     with pytest.raises(ValueError, match="either stop"):
         SmallLMDrafter(target, stop=ConfidenceStop(0.5), stop_below=0.5)
     with pytest.raises(ValueError, match="threshold"):
@@ -293,7 +293,7 @@ def test_nf4_quantized_drafter_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("bitsandbytes NF4 needs CUDA; this machine has no GPU")
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
-    target = load_model("smollm2-135m", dtype="bfloat16", device="cuda")
+    target = load_model("smollm2-135m", backend="bfloat16", device="cuda")
     drafter = QuantizedLMDrafter("smollm2-135m", "nf4", device="cuda", k=4)
     ids = target.encode("def fibonacci(n):")
     ar = generate(target, ids, max_new_tokens=24)

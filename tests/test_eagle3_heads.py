@@ -245,7 +245,7 @@ def test_train_an_eagle3_head_then_draft_with_it(tmp_path):
     assert chunk["features"].shape[-1] == 3 * chunk["final"].shape[-1]
     config = json.loads((tmp_path / "e3" / "config.json").read_text())
     assert config["cascade"]["format"] == FORMAT and config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
-    target = load_model(cfg.models.target, dtype=cfg.models.dtype)
+    target = load_model(cfg.models.target, cfg.models.backend)
     head = open_head(tmp_path / "e3", target)
     assert isinstance(head, Eagle3Head) and head.metrics["agreement"] == m["agreement"]
     from safetensors.torch import load_file
@@ -256,6 +256,6 @@ def test_train_an_eagle3_head_then_draft_with_it(tmp_path):
     drafter = DraftHeadDrafter(str(tmp_path / "e3"), k=3)
     prompt = target.encode("def f(x):")
     assert generate(target, prompt, drafter=drafter, max_new_tokens=12).tokens == generate(target, prompt, max_new_tokens=12).tokens
-    other = load_model("tiny:1", dtype=cfg.models.dtype)
+    other = load_model("tiny:1", cfg.models.backend)
     with pytest.raises(HeadCheckpointError, match="trained for 'tiny:0'"):
         open_head(tmp_path / "e3", other)

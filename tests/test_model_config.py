@@ -45,7 +45,7 @@ def test_train_then_run_kangaroo_loads_the_checkpoint_just_written(tmp_path, mon
 
     run_cfg = _compose("config", "+experiment=kangaroo", *common, f"output_dir={tmp_path / 'run'}", "progress=false")
     assert Path(run_cfg.method.drafter.adapter) == written
-    target = load_model(run_cfg.models.target, dtype=run_cfg.models.dtype, device="cpu")
+    target = load_model(run_cfg.models.target, run_cfg.models.backend, "cpu")
     drafter = instantiate(run_cfg.method.drafter)
     drafter.check_compatible(target)
     trained = ExitAdapter.load(written, target).state_dict()

@@ -68,19 +68,34 @@ def test_onednn_linears_match_dense_and_keep_greedy_equality():
 
 
 def test_auto_backend_choice():
-    from cascade.models.loading import auto_backend, cpu_has_native_bf16
-
+    from cascade.models.backend import BACKENDS, auto_backend, cpu_has_native_bf16
     from cascade.models.cpu_kernels import fbgemm_available
     from cascade.models.native import native_kernels
 
-    dtype, onednn = auto_backend(torch.device("cpu"))
+    chosen = auto_backend(torch.device("cpu"))
     if native_kernels() is not None:
-        assert (dtype, onednn) == ("native", False)
+        assert chosen == BACKENDS["native"]
     elif fbgemm_available():  # (tests/test_native.py runs this branch with the extension disabled)
-        assert (dtype, onednn) == ("fp16w", False)
+        assert chosen == BACKENDS["fp16w"]
     else:
-        assert (dtype, onednn) == ((torch.bfloat16, False) if cpu_has_native_bf16() else (torch.float32, True))
-    assert auto_backend(torch.device("cuda")) == (torch.bfloat16, False)
+        assert chosen == (BACKENDS["bfloat16"] if cpu_has_native_bf16() else BACKENDS["onednn"])
+    assert auto_backend(torch.device("cuda")) == BACKENDS["bfloat16"]
+
+
+def test_backend_is_one_value_chosen_once_and_recorded_on_the_model():
+    from cascade.models.backend import BACKENDS, backend_named
+
+    lm = load_model("tiny:0", "float64")
+    assert lm.backend == BACKENDS["float64"] and lm.dtype == torch.float64
+    assert load_model("tiny:0", torch.float32).backend.name == "float32"
+    assert backend_named("bf16", torch.device("cpu")) == BACKENDS["bfloat16"]
+    with pytest.raises(ValueError, match="unknown backend 'int3'"):
+        load_model("tiny:0", "int3")
+    with pytest.raises(ValueError, match="backend 'native' runs on cpu only"):
+        backend_named("native", torch.device("cuda"))
+    with pytest.warns(DeprecationWarning, match="pass backend="):
+        legacy = load_model("tiny:0", dtype="float64")
+    assert legacy.backend == BACKENDS["float64"]
 
 
 def test_auto_quantization_choice():
@@ -197,7 +212,7 @@ def test_fp16_weight_backend_keeps_greedy_equality():
 
 
 def test_fp16w_is_refused_where_it_does_not_apply():
-    with pytest.raises(ValueError, match="fp16w"):
+    with pytest.raises(ValueError, match="onednn=True needs dtype float32"), pytest.warns(DeprecationWarning):
         load_model("tiny:0", dtype="fp16w", onednn=True)
 
 
@@ -242,13 +257,13 @@ def test_dispatch_backend_keeps_greedy_equality_and_refuses_inexact_fp16(tmp_pat
     if not available_kernels():
         pytest.skip("neither FBGEMM nor oneDNN")
     monkeypatch.setattr(zoo, "cache_root", lambda: tmp_path)
-    lm = load_model("tiny:0", dtype="dispatch")  # calibrates into tmp_path, logs the choice
+    lm = load_model("tiny:0", backend="dispatch")  # calibrates into tmp_path, logs the choice
     assert isinstance(lm.model.lm_head, DispatchLinear) and list((tmp_path / "kernel_plans").glob("*.json"))
-    dense = load_model("tiny:0", dtype="float32")
+    dense = load_model("tiny:0", backend="float32")
     prompt = [5, 9, 2, 7, 7, 1]
     torch.testing.assert_close(lm.forward(prompt, lm.new_cache()), dense.forward(prompt, dense.new_cache()), atol=1e-4, rtol=1e-4)
     ar = generate(lm, prompt, max_new_tokens=16, stop_on_eos=False)
-    assert generate(lm, prompt, drafter=SmallLMDrafter(load_model("tiny:1", dtype="dispatch"), k=4),
+    assert generate(lm, prompt, drafter=SmallLMDrafter(load_model("tiny:1", backend="dispatch"), k=4),
                     max_new_tokens=16, stop_on_eos=False).tokens == ar.tokens
     # a layer fp16 cannot hold is never given the fp16w kernel
     linear = torch.nn.Linear(4, 2, bias=False)
@@ -259,7 +274,7 @@ def test_dispatch_backend_keeps_greedy_equality_and_refuses_inexact_fp16(tmp_pat
     if "onednn" in available_kernels():
         chosen = use_dispatch_linears(model, plan)
         assert chosen == {"4x2 (fp32 only)": ["onednn"] * 8}
-    with pytest.raises(ValueError, match="dispatch"):
+    with pytest.raises(ValueError, match="onednn=True needs dtype float32"), pytest.warns(DeprecationWarning):
         load_model("tiny:0", dtype="dispatch", onednn=True)
 
 
@@ -269,13 +284,13 @@ def test_shared_models_load_one_copy_per_set_of_arguments():
     from cascade.models.loading import load_model, shared_models
 
     with shared_models():
-        a = load_model("tiny:0", dtype="float64")
-        assert load_model("tiny:0", dtype="float64") is a
-        assert load_model("tiny:0", dtype="float32") is not a
-        assert load_model("tiny:1", dtype="float64") is not a
+        a = load_model("tiny:0", backend="float64")
+        assert load_model("tiny:0", backend="float64") is a
+        assert load_model("tiny:0", backend="float32") is not a
+        assert load_model("tiny:1", backend="float64") is not a
         with shared_models():  # nested: the same table
-            assert load_model("tiny:0", dtype="float64") is a
-    assert load_model("tiny:0", dtype="float64") is not a
+            assert load_model("tiny:0", backend="float64") is a
+    assert load_model("tiny:0", backend="float64") is not a
 
 
 def _direct_vs_transformers(lm):

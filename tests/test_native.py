@@ -325,7 +325,7 @@ def test_attention_matches_reference_and_is_row_invariant():
 @pytest.fixture(scope="module")
 def tiny_native():
     """A tiny random Llama whose weights fp16 holds exactly (as the zoo's bf16 checkpoints), on
-    the native backend as ``load_model(dtype="native")`` sets it up."""
+    the native backend as ``load_model(backend="native")`` sets it up."""
     return _native_tiny(hidden_size=32, num_layers=4)
 
 
@@ -363,7 +363,7 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
     for bit: a chain step, a block with hidden states, and a tree-masked forward (a model 64 wide,
     so that int4's groups of 64 fit every layer)."""
     from cascade.models.lean import FusedLayer, LeanDecoder, OpsLayer
-    from cascade.models.quantize import quantized_copy
+    from cascade.models.loading import quantized_copy
     from cascade.tree import tree_mask, tree_positions
 
     if _needs(quantize):
@@ -598,22 +598,23 @@ def test_disabled_extension_falls_back_to_fbgemm():
     code = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.INFO)\n"
-        "from cascade.models.loading import auto_backend, load_model\n"
+        "from cascade.models.backend import auto_backend\n"
+        "from cascade.models.loading import load_model\n"
         "from cascade.models.cpu_kernels import fbgemm_available\n"
         "from cascade.models.native import native_kernels, unavailable_reason\n"
         "assert native_kernels() is None and 'CASCADE_NATIVE=0' in unavailable_reason()\n"
         "expected = 'fp16w' if fbgemm_available() else None\n"
-        "got = auto_backend(torch.device('cpu'))[0]\n"
+        "got = auto_backend(torch.device('cpu')).name\n"
         "assert expected is None or got == expected, got\n"
         "from cascade.models.quantize import resolve_method\n"
         "assert resolve_method('auto', torch.device('cpu')) == 'int8_dynamic'\n"
         "try:\n"
-        "    load_model('tiny:0', dtype='native')\n"
+        "    load_model('tiny:0', backend='native')\n"
         "except RuntimeError as exc:\n"
         "    assert 'unavailable' in str(exc)\n"
         "else:\n"
         "    raise AssertionError('dtype=native loaded without the extension')\n"
-        "lm = load_model('tiny:0', dtype='auto')\n"
+        "lm = load_model('tiny:0', backend='auto')\n"
         "print('fallback', got, type(lm.model.lm_head).__name__)\n"
     )
     env = dict(os.environ, CASCADE_NATIVE="0")

@@ -68,11 +68,17 @@ def test_summary_and_header_carry_provenance(tmp_path, capsys):
     assert env.cpu_stepping == cpu.stepping and env.cpu_flags == cpu.flags
     assert env.cascade and env.threads >= 1 and sum(env.target_kernels.values()) > 0
     assert env.native_isa or env.native_unavailable  # which kernels, or why none
+    assert env.backends == {"tiny:0": "float32"}  # debug=tiny: the target on float32, no drafter
     code = code_state()
     assert env.git_commit == code.commit and env.git_dirty == code.dirty and env.git_diff_sha256 == code.diff_sha256
     header = capsys.readouterr().out.splitlines()[0]
-    assert header.startswith("# commit ") and f"family {env.cpu_family}" in header
+    assert header.startswith("# commit ") and f"family {env.cpu_family}" in header and "backends: tiny:0 float32" in header
     assert ("DIRTY (diff " + str(env.git_diff_sha256)) in header if env.git_dirty else "DIRTY" not in header
+
+
+def test_every_loaded_models_backend_is_recorded(tmp_path):
+    cfg = _cfg("+experiment=sps", "debug=tiny", f"output_dir={tmp_path}", "progress=false")
+    assert run_mod.run(cfg).environment.backends == {"tiny:0": "float32", "tiny:1": "float32"}
 
 
 def test_a_dirty_checkout_may_not_write_under_results(tmp_path, monkeypatch):

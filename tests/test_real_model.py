@@ -18,8 +18,8 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def smollm():
-    target = load_model("smollm2-135m", dtype="float32", device="cpu")
-    drafter_lm = load_model("smollm2-135m", dtype="bfloat16", device="cpu")
+    target = load_model("smollm2-135m", backend="float32", device="cpu")
+    drafter_lm = load_model("smollm2-135m", backend="bfloat16", device="cpu")
     return target, drafter_lm
 
 
@@ -30,7 +30,7 @@ def smollm_fp16w():
 
     if not fbgemm_available():
         pytest.skip("FBGEMM is not available in this torch build")
-    return load_model("smollm2-135m", dtype="fp16w", device="cpu"), load_model("smollm2-135m", dtype="fp16w", device="cpu")
+    return load_model("smollm2-135m", backend="fp16w", device="cpu"), load_model("smollm2-135m", backend="fp16w", device="cpu")
 
 
 @pytest.mark.parametrize("backend", ["float32", "fp16w"])
@@ -136,8 +136,8 @@ def test_speculative_methods_match_transformers_generate(smollm, kind):
 @pytest.mark.parametrize("kind", ["chain", "vertical_cascade", "static_tree", "dytc"])
 def test_qwen_pair_matches_transformers_generate(kind):
     """The same on the Qwen2.5-Coder pair (1.5B target in float32, 0.5B drafting in bf16)."""
-    target = load_model("qwen2.5-coder-1.5b", dtype="float32", device="cpu")
-    small = load_model("qwen2.5-coder-0.5b", dtype="bfloat16", device="cpu")
+    target = load_model("qwen2.5-coder-1.5b", backend="float32", device="cpu")
+    small = load_model("qwen2.5-coder-0.5b", backend="bfloat16", device="cpu")
     divergences, accepted = _compare_with_transformers(target, _speculative_makers(small)[kind], n=32)
     print(f"qwen {kind} vs transformers' generate: divergences {divergences or 'none'}")
     assert all(gap < 1e-3 for _, _, gap in divergences), divergences

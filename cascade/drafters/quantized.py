@@ -6,8 +6,7 @@ from __future__ import annotations
 from cascade.drafters.small_lm import SmallLMDrafter
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.lm import CausalLM
-from cascade.models.loading import load_model
-from cascade.models.quantize import quantized_copy
+from cascade.models.loading import load_model, quantized_copy
 
 
 class QuantizedLMDrafter(SmallLMDrafter):
@@ -28,5 +27,8 @@ class QuantizedLMDrafter(SmallLMDrafter):
         stop_below: float | None = None,
         name: str | None = None,
     ) -> None:
-        lm = quantized_copy(model, quantize) if isinstance(model, CausalLM) else load_model(model, device=device, quantize=quantize)
+        if isinstance(model, CausalLM):
+            lm = quantized_copy(model, quantize)
+        else:
+            lm = load_model(model, "auto_quantized" if quantize == "auto" else quantize, device)
         super().__init__(lm, k=k, sample=sample, stop=stop, stop_below=stop_below, name=name or f"quantized({lm.name})")

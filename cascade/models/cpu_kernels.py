@@ -10,7 +10,7 @@ verification relies on. oneDNN's fp32 inner product (the kernel behind
 ``torch.utils.mkldnn.to_mkldnn`` does the same swap but builds TorchScript modules and only
 accepts 2-D inputs, hence this small eager module.
 
-``FP16WeightLinear`` (``dtype="fp16w"`` in ``load_model``) keeps each weight in fp16 and runs
+``FP16WeightLinear`` (``backend="fp16w"`` in ``load_model``) keeps each weight in fp16 and runs
 FBGEMM's fp16-weight GEMM (``torch.ops.quantized.linear_prepack_fp16`` /
 ``linear_dynamic_fp16``, shipped inside torch): half the bytes of fp32 to stream, fp32
 accumulation. Exactness: the weights it multiplies must be the model's. A checkpoint stored in
@@ -122,7 +122,7 @@ def use_onednn_linears(model: nn.Module) -> int:
 # multiplies: FBGEMM's fp16-weight GEMM and cascade's native fp16 kernel stream half the bytes
 # (decoding, verification), oneDNN's fp32 inner product can win on wide inputs (prefill) and some
 # shapes. (Mixing kernels by row count gives up the native kernel's row invariance: for bitwise
-# verification use ``dtype="native"`` alone.) A short calibration on
+# verification use ``backend="native"`` alone.) A short calibration on
 # this CPU times every candidate for every distinct linear shape at ROW_BUCKETS rows; a forward
 # of r rows then runs the kernel that was fastest at the first bucket >= r (the last beyond it).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)

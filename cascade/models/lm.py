@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 # FINAL_HIDDEN (return_hidden's "after the final norm") is defined beside the direct forward
 from cascade.costs import ForwardShape
+from cascade.models.backend import Backend
 from cascade.models.direct import FINAL_HIDDEN, DirectDecoder, checked_direct_decoder
 from cascade.models.kv_cache import PreallocatedLayer
 from cascade.models.lean import LeanDecoder
@@ -73,6 +74,9 @@ class CausalLM:
     # At the first forward, with ``lean`` None: attach a DirectDecoder if it reproduces
     # transformers' forward bit for bit on a probe (else keep transformers'). False: leave ``lean``.
     auto_direct: bool = field(default=True, kw_only=True)
+    # How the weights are held and multiplied (``cascade.models.backend``): set by the loader that
+    # applied it (``load_model``, ``quantized_copy``); None for a model built by hand.
+    backend: Backend | None = field(default=None, kw_only=True)
 
     # ---- facts -------------------------------------------------------------------------
     @property

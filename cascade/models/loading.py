@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,13 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
-from cascade.models.cpu_kernels import (ROW_BUCKETS, KernelPlan, fbgemm_available, use_dispatch_linears, use_fp16_weight_linears,
-                                        use_onednn_linears)
-from cascade.models.devices import resolve_device, resolve_dtype
+from cascade.models.backend import QUANTIZED, Backend, backend_named, cpu_has_native_bf16, from_legacy
+from cascade.models.cpu_kernels import ROW_BUCKETS, KernelPlan, use_dispatch_linears, use_fp16_weight_linears, use_onednn_linears
+from cascade.models.devices import resolve_device
 from cascade.models.lean import attach_lean
 from cascade.models.lm import CausalLM
 from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
-from cascade.models.quantize import NATIVE_QUANTIZERS, bitsandbytes_config, quantize_int8_dynamic, quantize_native, resolve_method
+from cascade.models.quantize import bitsandbytes_config, dense_linears, quantize_int8_dynamic, quantize_native
 from cascade.models.tiny import tiny_bpe_tokenizer, tiny_llama
 
 log = logging.getLogger(__name__)
@@ -42,37 +43,6 @@ def kernel_plan_path() -> Path:
     return zoo.cache_root() / "kernel_plans" / f"{slug}-t{torch.get_num_threads()}-torch{version('torch')}.json"
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def auto_backend(device: torch.device) -> tuple[torch.dtype | str, bool]:
-    """(dtype, onednn) for ``dtype="auto"``: bf16 on CUDA; on CPUs cascade's native fp16-weight
-    kernel ("native": the checkpoint's weights in fp16, fp32 arithmetic, row-invariant, at the
-    bandwidth floor for 1-4 rows; ``cascade.models.native``) where it builds, else fp16 weights
-    through FBGEMM ("fp16w", the reason logged), measured fastest of torch's kernels for the 1-12
-    token forwards decoding and verification run (``experiments/forward_cost.py``, 1.5B target, 2
-    threads, bf16-capable EPYC: 97 ms per token vs 222 ms bf16 and 208 ms fp32+oneDNN; 8 tokens
-    186 ms vs 238 and 394); otherwise bf16 on CPUs with native bf16, else fp32 with oneDNN
-    linears (on an AVX2-only CPU a 16-token forward costs 8.9x one token in bf16, 2.3x there)."""
-    if device.type == "cuda":
-        return torch.bfloat16, False
-    if native_kernels() is not None:
-        return "native", False
-    if fbgemm_available():
-        log.info("dtype=auto: FBGEMM's fp16w, since cascade's native kernels are unavailable (%s)", unavailable_reason())
-        return "fp16w", False
-    if cpu_has_native_bf16():
-        return torch.bfloat16, False
-    return torch.float32, True
-
-
 def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.device, **kwargs) -> CausalLM:
     if "quantization_config" in kwargs:  # bitsandbytes places the weights itself
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map={"": device}, **kwargs).eval()
@@ -90,25 +60,28 @@ _shared: dict[tuple, CausalLM] | None = None  # load_model's arguments -> its mo
 
 
 @contextmanager
-def shared_models() -> Iterator[None]:
+def shared_models() -> Iterator[dict[tuple, CausalLM]]:
     """Inside the block, :func:`load_model` returns one model per distinct set of arguments: the
     methods of a run that name the same drafter model (the 0.5B of a chain and of a cascade, the
     int8 0.5B of a chain and of DyTC) hold one copy instead of one each. Models hold no decoding
     state (each drafter keeps its own caches), so sharing changes no result; it bounds a
-    many-method benchmark's memory (each 0.5B copy also keeps a 0.5 GB fp32 embedding)."""
+    many-method benchmark's memory (each 0.5B copy also keeps a 0.5 GB fp32 embedding).
+    Yields the models loaded in the block (``load_model``'s arguments -> model)."""
     global _shared
     outer, _shared = _shared, ({} if _shared is None else _shared)
     try:
-        yield
+        yield _shared
     finally:
         _shared = outer
 
 
 def load_model(
     name_or_path: str | Path,
-    dtype: str | torch.dtype = "auto",
+    backend: str | torch.dtype | Backend = "auto",
     device: str | torch.device | None = None,
-    onednn: bool = False,
+    *,
+    dtype: str | torch.dtype | None = None,
+    onednn: bool | None = None,
     quantize: str | None = None,
 ) -> CausalLM:
     """Load a model usable as target or inside a drafter.
@@ -119,97 +92,99 @@ def load_model(
     a 256-token byte-level vocabulary and 4 layers, for debug runs), or ``tiny-bpe:SEED`` (the same
     with a 320-token byte-level BPE tokenizer of its own: a drafter from "another family").
 
-    ``onednn=True`` (fp32 on CPU only) runs the linear layers through oneDNN, whose cost grows
-    far less with the number of tokens per forward on CPUs without native bf16; see
-    ``cascade.models.cpu_kernels``. ``dtype="fp16w"`` (CPU only) keeps the linear layers'
-    weights in fp16 and multiplies in fp32 through FBGEMM (a layer whose weights fp16 cannot hold
-    exactly keeps fp32; logged). ``dtype="native"`` (CPU only) does the same through cascade's own
-    row-invariant kernel (``cascade.models.native``; built on first use). ``dtype="auto"`` (the
-    default) picks the backend (:func:`auto_backend`).
-
-    ``dtype="dispatch"`` (CPU only) runs each linear layer, per forward, through the exact kernel
-    that a calibration on this CPU found fastest for its shape and the forward's row count
-    (FBGEMM fp16 weights or oneDNN fp32; ``cpu_kernels.use_dispatch_linears``), cached in
-    :func:`kernel_plan_path` and logged; a layer keeps a second copy of its weight only where a
-    second kernel wins some row count.
-
-    ``quantize`` ("auto", "int8_dynamic", "int8_native", "int8_vnni", "int4_native" or "int4_vnni" on CPU, "nf4" on CUDA;
-    see ``cascade.models.quantize``) loads a quantized copy, for drafters. The CPU methods load
-    fp32 whatever ``dtype`` says.
+    ``backend``: how the weights are held and multiplied, one of ``cascade.models.backend.BACKENDS``
+    (native, fp16w, onednn, dispatch, float32 / float64 / bfloat16 / float16, the quantized
+    formats for drafters), a torch dtype, or "auto" (:func:`cascade.models.backend.auto_backend`;
+    "auto_quantized": the quantized format this CPU runs fastest). The loaded model's
+    ``backend`` says which ran. ``dtype`` / ``onednn`` / ``quantize``: the retired way of saying
+    the same (a ``DeprecationWarning``).
     """
     device = resolve_device(device)  # (None and the device it resolves to are one key)
-    key = (str(name_or_path), str(dtype), str(device), bool(onednn), quantize)
+    legacy = from_legacy(dtype, onednn, quantize)
+    chosen = backend_named(legacy if legacy is not None else backend, device)
+    key = (str(name_or_path), chosen.name, str(device))
     if _shared is not None and key in _shared:
         return _shared[key]
-    lm = _load_model(name_or_path, dtype, device, onednn, quantize)
+    lm = _load(name_or_path, chosen, device)
+    apply_backend(lm, chosen)
     if _shared is not None:
         _shared[key] = lm
     return lm
 
 
-def _load_model(name_or_path: str | Path, dtype: str | torch.dtype, device: torch.device, onednn: bool,
-                quantize: str | None) -> CausalLM:
-    if dtype == "auto":  # (a quantized load chooses its own dtype)
-        dtype, onednn = auto_backend(device) if quantize is None else (torch.float32, False)
-    backend = dtype if dtype in ("fp16w", "dispatch", "native") else None
-    if backend is not None:
-        if device.type != "cpu" or onednn or quantize is not None:
-            raise ValueError(f"dtype={backend!r} is a CPU backend of its own (not with onednn, quantize or CUDA)")
-        dtype = torch.float32
-    dtype = resolve_dtype(dtype)
-    if onednn and (dtype != torch.float32 or device.type != "cpu"):
-        raise ValueError("onednn=True needs dtype float32 on the CPU")
-    if quantize is not None:
-        if onednn:
-            raise ValueError("quantize and onednn are exclusive (both replace the linear layers)")
-        return _load_quantized(name_or_path, resolve_method(quantize, device), device)
-    lm = _load(name_or_path, dtype, device)
-    if onednn:
+def quantized_copy(lm: CausalLM, method: str = "auto") -> CausalLM:
+    """A copy of an already loaded ``CausalLM`` on a quantized backend (the original is
+    untouched): its swapped kernels turned back into the plain fp32 linears they hold, then
+    :func:`apply_backend`, as ``load_model(name, backend=method)`` applies it. nf4 quantizes while
+    loading, so it has no copy."""
+    backend = backend_named("auto_quantized" if method == "auto" else method, lm.device)
+    if not backend.quantized or backend.name == "nf4":
+        raise ValueError(f"a quantized copy takes a CPU quantized format ({', '.join(q for q in QUANTIZED if q != 'nf4')}), "
+                         f"not {method!r} (nf4 quantizes while loading: load_model(name, backend='nf4'))")
+    if any(type(m).__name__ == "OneDNNLinear" for m in lm.model.modules()):  # oneDNN tensors do not deep-copy
+        raise ValueError(f"{lm.name!r} runs oneDNN linears; load a plain copy (load_model(name, backend={backend.name!r}))")
+    model = copy.deepcopy(lm.model).float()
+    dense_linears(model)
+    copy_lm = CausalLM(model, lm.tokenizer, lm.name, backend=backend)
+    apply_backend(copy_lm, backend)
+    return copy_lm
+
+
+def apply_backend(lm: CausalLM, backend: Backend) -> None:
+    """Replace ``lm``'s linear layers as ``backend`` says (the one place a backend is applied;
+    transformers already loaded the parameters in ``backend.dtype``)."""
+    kind = backend.linears
+    if kind is None or kind == "nf4":  # torch's modules (nf4: bitsandbytes quantized while loading)
+        return
+    if kind == "onednn":
         use_onednn_linears(lm.model)
-    if backend == "dispatch":
+    elif kind == "dispatch":
         plan = KernelPlan.load(kernel_plan_path())
         chosen = use_dispatch_linears(lm.model, plan, log=lambda key, ms: log.info("calibrated %s: %s ms", key, ms))
         for key, choice in chosen.items():
             log.info("%s: linear %s runs %s", lm.name, key,
                      ", ".join(f"<={b} rows {k}" for b, k in zip(ROW_BUCKETS[:-1] + ("inf",), choice)))
         log.info("kernel plan: %s", plan.path)
-    if backend in ("fp16w", "native"):
-        if backend == "fp16w":
+    elif kind in ("fbgemm_fp16", "native_fp16"):
+        if kind == "fbgemm_fp16":
             swapped, kept = use_fp16_weight_linears(lm.model)
         elif native_kernels() is None:
-            raise RuntimeError(f"dtype='native': cascade's native kernels are unavailable ({unavailable_reason()}); use dtype='fp16w'")
+            raise RuntimeError(f"backend 'native': cascade's native kernels are unavailable ({unavailable_reason()}); "
+                               "use backend='fp16w'")
         else:
             swapped, kept = swap_linears(lm.model, NativeFP16Linear)
             attach_lean(lm)
-        log.info("%s: %d linear layers on %s fp16 weights", lm.name, swapped, "FBGEMM" if backend == "fp16w" else "native")
+        log.info("%s: %d linear layers on %s fp16 weights", lm.name, swapped, "FBGEMM" if kind == "fbgemm_fp16" else "native")
         if kept:
             log.warning("%s: %d layers keep fp32 (weights fp16 cannot hold exactly): %s", lm.name, len(kept), kept[:5])
-    return lm
-
-
-def _load_quantized(name_or_path: str | Path, method: str, device: torch.device) -> CausalLM:
-    if method == "int8_dynamic":
-        lm = _load(name_or_path, torch.float32, device)
+    elif kind == "int8_dynamic":
         quantize_int8_dynamic(lm.model)
-    elif method in NATIVE_QUANTIZERS:
-        lm = _load(name_or_path, torch.float32, device)
-        swapped, kept = quantize_native(lm.model, method)
-        log.info("%s: %d linear layers on %s (%d kept fp32: %s)", lm.name, swapped, method, len(kept), kept[:3])
+    else:  # cascade's native quantized formats
+        swapped, kept = quantize_native(lm.model, kind)
+        log.info("%s: %d linear layers on %s (%d kept fp32: %s)", lm.name, swapped, kind, len(kept), kept[:3])
         attach_lean(lm)
-    else:  # nf4 is applied by transformers while loading: the source must be a checkpoint directory
-        text = str(name_or_path)
-        source = zoo.fetch(text) if text in zoo.ZOO else Path(text).expanduser()
-        if not Path(source).is_dir():
-            raise ValueError(f"quantize='nf4' needs a zoo name or a checkpoint directory, got {text!r}")
-        lm = _from_pretrained(source, torch.bfloat16, device, quantization_config=bitsandbytes_config())
-        lm.name = text
-    lm.name = f"{lm.name}[{method}]"
+    if backend.quantized:
+        lm.name = f"{lm.name}[{backend.name}]"
+
+
+def _load(name_or_path: str | Path, backend: Backend, device: torch.device) -> CausalLM:
+    """The model as transformers loads it in ``backend.dtype`` (nf4: quantized while loading),
+    its ``backend`` set; :func:`apply_backend` does the rest."""
+    lm = _load_modules(name_or_path, backend, device)
+    lm.backend = backend
     return lm
 
 
-def _load(name_or_path: str | Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    text = str(name_or_path)
+def _load_modules(name_or_path: str | Path, backend: Backend, device: torch.device) -> CausalLM:
+    text, dtype = str(name_or_path), backend.dtype
     path = Path(text).expanduser()
+    if backend.name == "nf4":  # applied by transformers while loading: the source must be a checkpoint directory
+        source = zoo.fetch(text) if text in zoo.ZOO else path
+        if not Path(source).is_dir():
+            raise ValueError(f"backend 'nf4' needs a zoo name or a checkpoint directory, got {text!r}")
+        lm = _from_pretrained(source, dtype, device, quantization_config=bitsandbytes_config())
+        lm.name = text
+        return lm
     if text.startswith("tiny:"):
         return tiny_llama(vocab_size=256, num_layers=4, seed=int(text[5:]), dtype=dtype, device=device, name=text)
     if text.startswith("tiny-bpe:"):  # another tokenizer than tiny:SEED's bytes (cross-tokenizer drafting)

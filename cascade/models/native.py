@@ -7,13 +7,13 @@ fp32 weights (twice the bytes), bf16 rounds the activations, ``torch.compile`` f
 weight and calls MKL (docs/backends.md has the measurements). The kernels here convert each
 weight tile once and multiply it into every row; two threads split the output columns.
 
-- :class:`NativeFP16Linear` (``load_model(dtype="native")``): the checkpoint's weights held
+- :class:`NativeFP16Linear` (``load_model(name, backend="native")``): the checkpoint's weights held
   exactly in fp16, fp32 arithmetic. **Row-invariant**: row i of an M-row call is bitwise the
   1-row call on row i (every output is the same sequential fp32 FMA chain over K whatever the
   row count), so a k-token verification forward multiplies exactly as k one-token steps do.
   Error against the exact product: ``|y - x.w| <= gamma_K * sum_k |x_k w_k|``,
   ``gamma_K = K u / (1 - K u)``, ``u = 2^-24`` (:func:`fp32_sum_bound`).
-- :class:`NativeInt8Linear`, :class:`NativeInt4Linear` (``quantize="int8_native"`` /
+- :class:`NativeInt8Linear`, :class:`NativeInt4Linear` (``backend="int8_native"`` /
   ``"int4_native"``): weight-only quantized copies for drafters (a quarter / an eighth of fp32's
   bytes; symmetric int8 per output channel, int4 per group of 64 along K).
 - :class:`NativeInt8VNNILinear`, :class:`NativeInt4VNNILinear` (``"int8_vnni"`` / ``"int4_vnni"``,
@@ -25,7 +25,7 @@ The extension is built on first use with ``torch.utils.cpp_extension.load`` (g++
 never built at install time (under pip's build isolation that would fetch another torch).
 Where it cannot be built or run (no compiler, a CPU without AVX2 + FMA + F16C, not x86, or
 ``CASCADE_NATIVE=0``), :func:`native_kernels` returns None and :func:`unavailable_reason` says
-why; ``dtype="auto"`` then falls back to FBGEMM's ``fp16w`` and logs the reason.
+why; ``backend="auto"`` then falls back to FBGEMM's ``fp16w`` and logs the reason.
 """
 
 from __future__ import annotations

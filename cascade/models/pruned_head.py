@@ -127,7 +127,7 @@ def prune_head(lm: CausalLM, keep: torch.Tensor) -> CausalLM:
     model.set_output_embeddings(pruned)
     if model.get_output_embeddings() is not pruned or lm.model.get_output_embeddings() is not head:
         raise TypeError(f"{type(lm.model).__name__}: could not swap the LM head on a copy")
-    pruned_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[head {keep.numel()}/{vocab}]")
+    pruned_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[head {keep.numel()}/{vocab}]", backend=lm.backend)
     if isinstance(lm.lean, LeanDecoder):  # the lean forward reads the head from the model it is built on
         pruned_lm.lean = LeanDecoder(model)
     return pruned_lm

@@ -40,7 +40,6 @@ the fp32 skeleton to load into).
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import torch
@@ -114,28 +113,6 @@ def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
         warnings.filterwarnings("ignore", message="torch.ao.quantization is deprecated", category=DeprecationWarning)
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-def quantized_copy(lm, method: str = "auto"):
-    """A quantized copy of an already loaded ``CausalLM`` (the original is untouched). The CPU
-    methods quantize a loaded model (its swapped kernels are first turned back into the plain
-    fp32 linears they hold); nf4 is applied while loading (``load_model(..., quantize="nf4")``)."""
-    from cascade.models.lm import CausalLM
-
-    method = resolve_method(method, lm.device)
-    if method not in CPU_METHODS:
-        raise ValueError("nf4 quantizes while loading: use load_model(name, quantize='nf4')")
-    if any(type(m).__name__ == "OneDNNLinear" for m in lm.model.modules()):  # oneDNN tensors do not deep-copy
-        raise ValueError(f"{lm.name!r} runs oneDNN linears; load a plain copy (load_model(name, quantize={method!r}))")
-    model = copy.deepcopy(lm.model).float()
-    dense_linears(model)
-    if method == "int8_dynamic":
-        quantize_int8_dynamic(model)
-        return CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
-    quantize_native(model, method)
-    copy_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[{method}]")
-    attach_lean(copy_lm)
-    return copy_lm
 
 
 def bitsandbytes_config():
