@@ -38,14 +38,14 @@ RULES: tuple[Rule, ...] = (
     Rule(("temperature",), lambda v: _number(v) and v >= 0, "a finite number >= 0 (0: greedy)"),
     Rule(("top_k",), lambda v: _integer(v) and v >= 1, "a positive integer or null", nullable=True),
     Rule(("top_p",), lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1] or null", nullable=True),
-    Rule(("k", "max_new_tokens", "max_nodes", "max_depth", "max_rank", "depth", "tokens", "r", "threads",
+    Rule(("k", "chain_k", "max_new_tokens", "max_nodes", "max_depth", "max_rank", "depth", "tokens", "r", "threads",
           "per_category", "max_ngram", "min_ngram", "max_matches"),
          lambda v: _integer(v) and v >= 1, "a positive integer"),
     Rule(("num_prompts",), lambda v: _integer(v) and v >= 1, "a positive integer or null (all)", nullable=True),
-    Rule(("explore", "probe", "realised_window"), lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    Rule(("explore", "probe", "realised_window", "chain_drafter"), lambda v: _integer(v) and v >= 0, "an integer >= 0"),
     Rule(("seed",), _integer, "an integer"),
     Rule(("t_min", "margin", "min_gain"), lambda v: _number(v) and v >= 0, "a finite number >= 0"),
-    Rule(("stop_below",), lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1] or null", nullable=True),
+    Rule(("stop_below", "chain_stop_below"), lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1] or null", nullable=True),
 )
 _RULE_OF = {key: rule for rule in RULES for key in rule.keys}
 

@@ -119,3 +119,32 @@ def test_dytc_keeps_trees_that_pay(setup):
     assert _siblings(steps) > 0.5
     tree_rate, chain_rate = (drafter.policy.realised.rate(m) for m in ("tree", "chain"))
     assert tree_rate is not None and chain_rate is not None and tree_rate >= chain_rate
+
+
+def test_chain_mode_drafts_the_named_chain_itself(tiny_target):
+    """With ``chain_stop_below``, DyTC's chain mode is the chain LMDrafter(k=chain_k,
+    stop_below=chain_stop_below) drafts: step by step the same drafted tokens (greedy, float64),
+    whatever the prices say."""
+    from cascade.models import perturbed_copy
+
+    drafter_lm = perturbed_copy(tiny_target, noise=0.02, seed=3)  # accepted often, not always
+    for stop, k in ((0.4, 8), (0.9, 3)):
+        chain = SmallLMDrafter(drafter_lm, k=k, stop_below=stop)
+        policy = DynamicTreePolicy(chain_stop_below=stop, chain_k=k, max_depth=10, measure_costs=False)
+        dytc = TreeDrafter([SmallLMDrafter(drafter_lm, k=1)], policy)
+        policy.realised.next_mode = lambda: "chain"  # every step in chain mode
+        for prompt in PROMPTS:
+            want = generate(tiny_target, prompt, drafter=chain, max_new_tokens=24, stop_on_eos=False)
+            got = generate(tiny_target, prompt, drafter=dytc, max_new_tokens=24, stop_on_eos=False)
+            assert got.tokens == want.tokens
+            assert [s.draft_tokens for s in got.steps] == [s.draft_tokens for s in want.steps]
+            assert max(len(s.draft_tokens) for s in got.steps) <= k
+    # the priced rule (no chain_stop_below) drafts other chains here: the test can tell them apart
+    policy = DynamicTreePolicy(max_depth=10, measure_costs=False)
+    dytc = TreeDrafter([SmallLMDrafter(drafter_lm, k=1)], policy)
+    policy.realised.next_mode = lambda: "chain"
+    chain = SmallLMDrafter(drafter_lm, k=8, stop_below=0.4)
+    drafts = lambda d, p: [s.draft_tokens for s in generate(tiny_target, p, drafter=d, max_new_tokens=24,  # noqa: E731
+                                                             stop_on_eos=False).steps]
+    differ = [drafts(dytc, p) != drafts(chain, p) for p in PROMPTS]
+    assert any(differ)

@@ -196,6 +196,13 @@ class DynamicTreePolicy(TreePolicy):
     realised_window: int = 32  # steps per mode in the realised-outcome check (0: off, always trees)
     probe: int = 16  # the realised-outcome check drafts the other mode every probe-th step
     depth_rate: str = "step"  # a node to expand must beat the step's rate ("spine": its first children's, siblings left out)
+    # chain mode's rule: None, the priced rule above with one node per depth; a probability: an LM
+    # drafter's greedy chain while each token is at least this likely, at most chain_k deep (the
+    # chain LMDrafter(k=chain_k, stop_below=chain_stop_below) drafts), so the chain DyTC falls back
+    # to is that chain itself, not an estimate of it
+    chain_stop_below: float | None = None
+    chain_k: int = 8
+    chain_drafter: int = 0  # which drafter (its index) drafts the named chain
     kind = "dytc"
     steps: int = field(default=0, init=False)
 
@@ -204,6 +211,8 @@ class DynamicTreePolicy(TreePolicy):
             raise ValueError(f"invalid dynamic tree policy {self}")
         if self.depth_rate not in ("step", "spine"):
             raise ValueError(f"depth_rate must be 'step' or 'spine', got {self.depth_rate!r}")
+        if self.chain_stop_below is not None and not 0.0 <= self.chain_stop_below <= 1.0 or self.chain_k < 1:
+            raise ValueError(f"chain_stop_below must lie in [0, 1] and chain_k >= 1, got {self.chain_stop_below}, {self.chain_k}")
         if self.margin < 0 or self.min_gain < 0 or self.realised_window < 0:
             raise ValueError(f"invalid dynamic tree policy guard {self}")
         if self.device is not None:
@@ -214,6 +223,8 @@ class DynamicTreePolicy(TreePolicy):
         self._grow_seconds = 0.0
 
     def setup(self, names, calls: LevelCalls) -> None:
+        if self.chain_stop_below is not None and not (0 <= self.chain_drafter < len(names) and calls.is_lm(self.chain_drafter)):
+            raise ValueError(f"chain_drafter={self.chain_drafter} must be the index of an LM drafter among {names}")
         super().setup(names, calls)
         self.prices = CallPrices(names, self)
         self._calls = calls
@@ -274,9 +285,11 @@ class DynamicTreePolicy(TreePolicy):
         exploring = self.explore > 0 and self.steps % self.explore == 0
         step = _StepValue()
         frontier = [-1]
-        for depth in range(1, min(self.max_depth, budget) + 1):
+        deepest = self.chain_k if chain and self.chain_stop_below is not None else self.max_depth
+        for depth in range(1, min(deepest, budget) + 1):
             level: list[int] = []
-            for i in self._order(depth, len(calls.drafters)):
+            named = chain and self.chain_stop_below is not None
+            for i in [self.chain_drafter] if named else self._order(depth, len(calls.drafters)):
                 if len(tree.nodes) >= self.max_nodes or not frontier or (chain and level):
                     break
                 turn = _Turn(tree, calls, i, depth, step, must_try=exploring and depth == 1, chain=chain)
@@ -315,6 +328,16 @@ class DynamicTreePolicy(TreePolicy):
     def _ranks(self, turn: _Turn) -> int:
         return 1 if turn.chain else self.max_rank
 
+    def _named_chain(self, turn: _Turn) -> bool:
+        """Chain mode drafts the named chain (``chain_stop_below``) with this LM drafter's top tokens."""
+        return turn.chain and self.chain_stop_below is not None and turn.calls.deterministic(turn.drafter)
+
+    def _named_chain_goes_on(self, turn: _Turn, x: int) -> bool:
+        """The named chain drafts below ``x`` when ``x`` is the root or was at least ``chain_stop_below``
+        likely (a node without a confidence, a lookup's, goes on)."""
+        conf = None if x < 0 else turn.tree.nodes[x].conf
+        return conf is None or conf >= self.chain_stop_below
+
     def _lookup_level(self, turn: _Turn, by_reach: list[int]) -> list[int]:
         """A forward-free drafter proposes below the most reached nodes while it pays."""
         tree, i, added = turn.tree, turn.drafter, []
@@ -342,7 +365,9 @@ class DynamicTreePolicy(TreePolicy):
         spine = self.depth_rate == "spine"
         start = (turn.step.spine_gain, turn.step.spine_cost) if spine else (turn.step.gain, turn.step.cost)
         expand, trial = [], _StepValue(*start)
-        for x in by_reach[: 1 if turn.chain else self.max_nodes - len(tree.nodes)]:
+        if self._named_chain(turn):
+            expand = [x for x in by_reach[:1] if self._named_chain_goes_on(turn, x)]
+        for x in [] if self._named_chain(turn) else by_reach[: 1 if turn.chain else self.max_nodes - len(tree.nodes)]:
             width = len(expand) + 1 + extra
             gain = tree.reach(x) * alpha_first
             per_node = self._node(tree, len(expand))  # each expanded node's first child
@@ -371,7 +396,8 @@ class DynamicTreePolicy(TreePolicy):
         added = []
         for n, (gain, x, rank, token, conf) in enumerate(candidates):
             per_node = self._node(tree)
-            if len(tree.nodes) >= self.max_nodes or not (self._worth(gain, per_node, turn.step) or (turn.must_try and n == 0)):
+            wanted = self._worth(gain, per_node, turn.step) or (turn.must_try and n == 0) or self._named_chain(turn)
+            if len(tree.nodes) >= self.max_nodes or not wanted:
                 break
             if token in tree.taken.get(x, set()):
                 continue
