@@ -7,7 +7,9 @@ PROMPT`` (repeatable): each method's overall whole-call and decode-only speedups
 remaining prompts (whole calls from the per-prompt tok/s, decoding from ``steps.jsonl``), for a
 prompt a disturbance distorted.
 
-    python -m analysis.markdown RUN_DIR [--by-category] [--without PROMPT ...]
+    python -m analysis.markdown RUN_DIR [--by-category] [--without PROMPT ...] [--caption]
+
+``--caption`` first prints what made the table (command, commit, CPU, backends), from the run.
 """
 
 from __future__ import annotations
@@ -103,17 +105,33 @@ def without_table(run_dir: Path, summary: dict, skip: set[str]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
 
 
+def caption(run_dir: Path, summary: dict) -> str:
+    """What made the table, from the run itself: the command (its Hydra overrides), the commit and
+    whether the code was clean, the CPU, the backends and threads (the summary's environment)."""
+    env = summary.get("environment") or {}
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    args = [line[2:].strip() for line in overrides.read_text().splitlines() if line.startswith("- ")] if overrides.is_file() else []
+    commit = (env.get("git_commit") or "no commit")[:7]
+    state = {True: "DIRTY", False: "clean"}.get(env.get("git_dirty"), "cleanliness not recorded")
+    backends = ", ".join(f"{k} {v}" for k, v in (env.get("backends") or {}).items()) or f"target dtype {env.get('dtype')}"
+    return (f"`python -m cascade.run {' '.join(args)}` at `{commit}` ({state}); {env.get('cpu')} (family "
+            f"{env.get('cpu_family')} model {env.get('cpu_model')}), {env.get('threads')} threads; {backends}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
     ap.add_argument("--by-category", action="store_true", help="speedup per category (the mixed set)")
     ap.add_argument("--without", action="append", default=[], metavar="PROMPT",
                     help="overall speedups without this prompt (repeatable)")
+    ap.add_argument("--caption", action="store_true", help="first a line naming the command, commit, CPU and backends")
     args = ap.parse_args(argv)
     path = Path(args.run_dir) / "summary.json"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: pass a run directory of python -m cascade.run")
     summary = json.loads(path.read_text())
+    if args.caption:
+        print(caption(Path(args.run_dir), summary) + "\n")
     if args.without:
         print(without_table(Path(args.run_dir), summary, set(args.without)))
     else:

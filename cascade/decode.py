@@ -12,6 +12,7 @@ with an empty draft, so both share every line of code but the drafter calls.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -170,74 +171,43 @@ class _ForwardRecorder:
         return calls
 
 
+@dataclass
+class _Loop:
+    """What one generation's steps share (fixed for the generation) and its KV cache."""
+
+    target: CausalLM
+    drafter: Drafter | None
+    verifier: Verifier
+    sampling: SamplingConfig
+    gen: torch.Generator
+    eos: set[int]
+    now: Callable[[], float]  # the wall clock, or a virtual clock's predictions
+    clock: VirtualClock | None
+    recorder: _ForwardRecorder
+    cache: object = None
+
+    @property
+    def hidden_layer(self):
+        return self.drafter.hidden_layer if self.drafter is not None else None
+
+
 def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, max_new_tokens: int,
             sampling: SamplingConfig, gen: torch.Generator, eos: set[int], verifier: Verifier, progress: bool,
             now, clock: VirtualClock | None, recorder: _ForwardRecorder) -> Generation:
-    """The loop itself, timed by ``now`` (the wall clock, or ``clock``'s predictions)."""
-    hidden_layer = drafter.hidden_layer if drafter is not None else None
+    """The loop itself, timed by ``now`` (the wall clock, or ``clock``'s predictions): 0. prefill,
+    then steps (1 propose, 2 verify, 3 accept, 4 commit, 5 observe) until ``max_new_tokens`` or EOS.
+    Autoregressive decoding is the same loop with no drafter (every block empty)."""
+    loop = _Loop(target, drafter, verifier, sampling, gen, eos, now, clock, recorder)
     t_start = now()
-    cache = target.new_cache()
-    if drafter is not None:
-        drafter.bind(target, cache)
-        drafter.reset(sampling, gen)
-    # 0. prefill: the target's cache gets all but the last prompt token; then the drafter catches
-    #    up on the prompt (its own cache, or the target's hidden states it asked for)
-    hidden = None
-    if len(prompt) > 1:
-        out = target.forward(prompt[:-1], cache, keep_last=1, return_hidden=hidden_layer)
-        hidden = out[1] if hidden_layer is not None else None
-    t_prefilled = now()
-    if drafter is not None:
-        drafter.prefill(prompt, hidden=hidden)
-    t_ready = now()
-
-    recorder.take()  # the prefills' forwards are not a step's
+    t_prefilled, t_ready = _prefill(loop, prompt)
     seq, new, steps = list(prompt), [], []
     stop_reason = "max_new_tokens"
     bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not progress, leave=False)
     while len(new) < max_new_tokens:
-        t0 = now()
-        # 1. propose: never deeper than can still be emitted (one slot is kept for the bonus token)
-        budget = max_new_tokens - len(new) - 1
-        block = drafter.propose(seq, budget) if drafter is not None and budget > 0 else DraftBlock.empty()
-        if block.depth > budget:
-            raise RuntimeError(f"drafter {block.drafter!r} proposed {block.depth} tokens deep with a budget of {budget}")
-        draft = block.tokens.tolist()
-        t1 = now()
-        # 2. verify: one target forward over [last] + draft -> logits [n+1, V] (a tree with its
-        #    positions and tree-attention mask)
-        past, root = len(seq) - 1, seq[-1]
-        out = verifier.forward(target, cache, root, block, return_hidden=hidden_layer)
-        logits, hidden = out if hidden_layer is not None else (out, None)
-        t2 = now()
-        # 3. accept
-        result = verifier.accept(block, logits, sampling, gen)
-        t_accepted = now()
-        # 4. commit: the cache keeps the sequence plus the accepted path (compacted in place)
-        keep = verifier.commit(target, cache, past, result)
-        accepted = [draft[i] for i in result.path]
-        emitted, hit_eos = _cut(accepted + [result.next_token], eos, max_new_tokens - len(new))
-        seq += emitted
-        new += emitted
-        # 5. observe: the drafter learns what was accepted, the forward's time, its inputs and
-        #    logits, and (if it asked) the target's hidden states at the committed positions
-        if drafter is not None:
-            drafter.observe(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep],
-                            scored=Scored([root] + draft, logits))
-        if clock is not None:
-            clock.host(clock.device.host_step_s)
-        t3 = now()
-        steps.append(
-            StepRecord(
-                step=len(steps), drafter=block.drafter, drafted=block.k, accepted=result.num_accepted,
-                emitted=len(emitted), draft_tokens=draft, emitted_tokens=emitted,
-                target_argmax=logits.argmax(-1).tolist(), draft_time_s=t1 - t0, target_time_s=t2 - t1,
-                step_time_s=t3 - t0, parents=list(block.parents), accepted_path=list(result.path), stop=block.stop,
-                cascade=block.cascade, segments=block.segments, tree=block.tree, accept_time_s=t_accepted - t2,
-                forwards=recorder.take(),
-            )
-        )
-        bar.update(len(emitted))
+        record, hit_eos = _step(loop, seq, max_new_tokens - len(new), len(steps))  # appends to seq
+        new += record.emitted_tokens
+        steps.append(record)
+        bar.update(record.emitted)
         if hit_eos:
             stop_reason = "eos"
             break
@@ -245,3 +215,68 @@ def _decode(target: CausalLM, prompt: list[int], drafter: Drafter | None, max_ne
     return Generation(new, len(prompt), steps, now() - t_start, t_prefilled - t_start, stop_reason, sampling,
                       drafter_prefill_time_s=t_ready - t_prefilled, clock="measured" if clock is None else clock.label,
                       forward_shapes=recorder.shapes)
+
+
+def _prefill(loop: _Loop, prompt: list[int]) -> tuple[float, float]:
+    """0. prefill: the target's cache gets all but the last prompt token; then the drafter catches
+    up on the prompt (its own cache, or the target's hidden states it asked for). Returns the
+    times the target's and the drafter's prefills ended."""
+    loop.cache = loop.target.new_cache()
+    if loop.drafter is not None:
+        loop.drafter.bind(loop.target, loop.cache)
+        loop.drafter.reset(loop.sampling, loop.gen)
+    hidden = None
+    if len(prompt) > 1:
+        out = loop.target.forward(prompt[:-1], loop.cache, keep_last=1, return_hidden=loop.hidden_layer)
+        hidden = out[1] if loop.hidden_layer is not None else None
+    t_prefilled = loop.now()
+    if loop.drafter is not None:
+        loop.drafter.prefill(prompt, hidden=hidden)
+    t_ready = loop.now()
+    loop.recorder.take()  # the prefills' forwards are not a step's
+    return t_prefilled, t_ready
+
+
+def _step(loop: _Loop, seq: list[int], room: int, index: int) -> tuple[StepRecord, bool]:
+    """One target forward's step after ``seq`` with ``room`` tokens left to emit: appends what it
+    emits to ``seq`` (the list the drafter is shown) and returns its record and whether it emitted EOS."""
+    target, drafter, verifier, now = loop.target, loop.drafter, loop.verifier, loop.now
+    t0 = now()
+    # 1. propose: never deeper than can still be emitted (one slot is kept for the bonus token)
+    budget = room - 1
+    block = drafter.propose(seq, budget) if drafter is not None and budget > 0 else DraftBlock.empty()
+    if block.depth > budget:
+        raise RuntimeError(f"drafter {block.drafter!r} proposed {block.depth} tokens deep with a budget of {budget}")
+    draft = block.tokens.tolist()
+    t1 = now()
+    # 2. verify: one target forward over [last] + draft -> logits [n+1, V] (a tree with its
+    #    positions and tree-attention mask)
+    past, root = len(seq) - 1, seq[-1]
+    out = verifier.forward(target, loop.cache, root, block, return_hidden=loop.hidden_layer)
+    logits, hidden = out if loop.hidden_layer is not None else (out, None)
+    t2 = now()
+    # 3. accept
+    result = verifier.accept(block, logits, loop.sampling, loop.gen)
+    t_accepted = now()
+    # 4. commit: the cache keeps the sequence plus the accepted path (compacted in place)
+    keep = verifier.commit(target, loop.cache, past, result)
+    accepted = [draft[i] for i in result.path]
+    emitted, hit_eos = _cut(accepted + [result.next_token], loop.eos, room)
+    seq += emitted
+    # 5. observe: the drafter learns what was accepted, the forward's time, its inputs and
+    #    logits, and (if it asked) the target's hidden states at the committed positions
+    if drafter is not None:
+        drafter.observe(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep],
+                        scored=Scored([root] + draft, logits))
+    if loop.clock is not None:
+        loop.clock.host(loop.clock.device.host_step_s)
+    t3 = now()
+    record = StepRecord(
+        step=index, drafter=block.drafter, drafted=block.k, accepted=result.num_accepted,
+        emitted=len(emitted), draft_tokens=draft, emitted_tokens=emitted,
+        target_argmax=logits.argmax(-1).tolist(), draft_time_s=t1 - t0, target_time_s=t2 - t1,
+        step_time_s=t3 - t0, parents=list(block.parents), accepted_path=list(result.path), stop=block.stop,
+        cascade=block.cascade, segments=block.segments, tree=block.tree, accept_time_s=t_accepted - t2,
+        forwards=loop.recorder.take(),
+    )
+    return record, hit_eos

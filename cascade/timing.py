@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,18 +23,56 @@ def median_s(fn, repeats: int) -> float:
 
 
 class ReadProbe:
-    """The memory-read probe: a sum over ``gib`` GiB of fp32 (far larger than any cache), on the
-    threads torch is set to use. ``read()`` runs it once; ``nbytes`` is what one read streams."""
+    """The memory-read probes, over ``gib`` GiB (far larger than any cache), on the threads torch
+    is set to use: ``read()`` a torch sum over fp32 (what torch's own reductions reach), and
+    ``read_native()`` cascade's streaming read at the kernels' prefetch distance
+    (``csrc/bandwidth.cpp``; None where the extension is unavailable), whose fastest pass is the
+    bound a kernel's "% of bound" divides by. ``nbytes`` is what one read streams."""
 
     def __init__(self, gib: float = 1.0) -> None:
         self.x = torch.ones(int(gib * (1 << 30)) // 4)
         self.nbytes = self.x.numel() * 4
+        self._bytes = self.x.view(torch.uint8)
 
     def read(self) -> None:
         self.x.sum()
 
+    def read_native(self) -> bool:
+        """One streaming read of the buffer; False where the native extension is unavailable."""
+        from cascade.models.native import native_kernels
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second this machine reads from memory (the median of ``repeats`` probe reads)."""
+        ext = native_kernels()
+        if ext is None:
+            return False
+        ext.stream_read(self._bytes)
+        return True
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Read bandwidth in bytes/s: ``bound``, the fastest of the native streaming reads (None
+    without the extension), and ``torch_sum``, the median torch sum beside it."""
+
+    bound: float | None
+    torch_sum: float
+
+    @property
+    def best(self) -> float:
+        """The bound where measured, else torch's sum (a rate, not a bound)."""
+        return self.bound if self.bound is not None else self.torch_sum
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> Bandwidth:
+    """This machine's read bandwidth: the fastest of ``repeats`` native streaming reads and the
+    median of as many torch sums, interleaved."""
     probe = ReadProbe(gib)
-    return probe.nbytes / median_s(probe.read, repeats)
+    native, summed = [], []
+    probe.read()  # warm-up (pages touched)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        probe.read()
+        summed.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        if probe.read_native():
+            native.append(time.perf_counter() - t0)
+    return Bandwidth(probe.nbytes / min(native) if native else None, probe.nbytes / statistics.median(summed))

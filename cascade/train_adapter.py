@@ -90,6 +90,31 @@ def agreement(lm, adapter: ExitAdapter | None, chunks: list[dict], head_w: torch
     return hits / total
 
 
+def _fit(adapter: ExitAdapter, lm, train_chunks: list, w_s: torch.Tensor, t, ckpt: Path, progress: bool) -> list[float]:
+    """The adapter's epochs (KL to the final layer's distribution over the training vocabulary),
+    saved after each (nothing lost on interruption); the mean loss per epoch."""
+    opt = torch.optim.AdamW(adapter.parameters(), lr=t.lr, weight_decay=0.0)
+    losses = []
+    bar = tqdm(total=t.epochs * len(train_chunks), desc="train adapter", disable=not progress)
+    for epoch in range(t.epochs):
+        total = 0.0
+        for i in torch.randperm(len(train_chunks)).tolist():
+            c = train_chunks[i]
+            h = c["h_exit"]
+            student = torch.log_softmax(adapter(lm, h, torch.arange(h.shape[0])).float() @ w_s.T, -1)  # [T, |S|]
+            loss = torch.nn.functional.kl_div(student, c["teacher"], log_target=True, reduction="batchmean")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}")
+        losses.append(total / len(train_chunks))
+        adapter.save(ckpt, metrics={"epoch": epoch, "loss": losses[-1]})
+    bar.close()
+    return losses
+
+
 def train(cfg: DictConfig) -> dict:
     """Train, evaluate and save; returns the summary written to ``summary.json``."""
     t = cfg.train
@@ -131,29 +156,10 @@ def train(cfg: DictConfig) -> dict:
     alpha_init = agreement(lm, adapter, held, head_w)
     log.info("exit layer %d: held-out top-1 agreement plain exit %.3f, adapter init %.3f", t.exit_layer, alpha_exit, alpha_init)
 
-    opt = torch.optim.AdamW(adapter.parameters(), lr=t.lr, weight_decay=0.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = out_dir / "adapter.pt"
-    losses = []
-    steps = t.epochs * len(train_chunks)
-    bar = tqdm(total=steps, desc="train adapter", disable=not cfg.progress)
     t1 = time.perf_counter()
-    for epoch in range(t.epochs):
-        total = 0.0
-        for i in torch.randperm(len(train_chunks)).tolist():
-            c = train_chunks[i]
-            h = c["h_exit"]
-            student = torch.log_softmax(adapter(lm, h, torch.arange(h.shape[0])).float() @ w_s.T, -1)  # [T, |S|]
-            loss = torch.nn.functional.kl_div(student, c["teacher"], log_target=True, reduction="batchmean")
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total += loss.item()
-            bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}")
-        losses.append(total / len(train_chunks))
-        adapter.save(ckpt, metrics={"epoch": epoch, "loss": losses[-1]})  # nothing lost on interruption
-    bar.close()
+    losses = _fit(adapter, lm, train_chunks, w_s, t, ckpt, cfg.progress)
     train_s = time.perf_counter() - t1
     adapter.eval()
     alpha_trained = agreement(lm, adapter, held, head_w)

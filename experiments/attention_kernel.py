@@ -22,19 +22,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cascade.models import zoo  # noqa: E402
-from cascade.models.native import SOURCE, build_extension, native_kernels  # noqa: E402
+from cascade.models.native import CSRC, build_extension, native_kernels  # noqa: E402
 
 
 def build_revision(rev: str):
-    source = subprocess.run(["git", "show", f"{rev}:{SOURCE.relative_to(ROOT)}"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
-                            text=True).stdout.strip()
+    """The extension as it was at ``rev``: every file of the kernels' directory at that revision."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", "--short", rev).strip()
     build = zoo.cache_root() / "native-variants" / f"rev-{commit}"
     build.mkdir(parents=True, exist_ok=True)
-    path = build / "linear_kernels.cpp"
-    path.write_text(source)
-    return commit, build_extension(f"cascade_native_rev_{commit}", path, build)
+    sources = []
+    for name in git("ls-tree", "--name-only", f"{rev}:{CSRC.relative_to(ROOT)}").split():
+        (build / name).write_text(git("show", f"{rev}:{CSRC.relative_to(ROOT)}/{name}"))
+        if name.endswith(".cpp"):
+            sources.append(build / name)
+    return commit, build_extension(f"cascade_native_rev_{commit}", sources, build)
 
 
 def main() -> None:

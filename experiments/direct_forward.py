@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 def set_path(lms, direct: bool) -> None:
     for lm in lms:
-        lm.lean, lm.auto_direct = (DirectDecoder(lm.model) if direct else None), False
+        lm.use_forward(DirectDecoder(lm.model) if direct else None)
 
 
 def forward_ms(lm, k: int, repeats: int = 50) -> float:

@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cascade.models import zoo  # noqa: E402
-from cascade.models.native import SOURCE, build_extension, pack_fp16  # noqa: E402
+from cascade.models.native import SOURCES, build_extension, pack_fp16  # noqa: E402
 
 
 def build_variant(prefetch_bytes: int, rows: int):
     name = f"cascade_native_pf{prefetch_bytes}_r{rows}"
-    return build_extension(name, SOURCE, zoo.cache_root() / "native-variants" / name,
+    return build_extension(name, SOURCES, zoo.cache_root() / "native-variants" / name,
                            (f"-DCASCADE_PREFETCH_BYTES={prefetch_bytes}", f"-DCASCADE_FP16_ROWS={rows}"))
 
 

@@ -233,3 +233,10 @@ def test_markdown_table_of_a_run(sweep, capsys):
     assert rows[0][1:] == ["1.00x", "1.00x |"] and rows[1][1] == f"{one:.2f}x"
     with pytest.raises(SystemExit, match="no such prompts"):
         markdown_main([str(job), "--without", "nope"])
+    # the caption: the command that made the run, its commit and cleanliness, the CPU and backends
+    assert markdown_main([str(job), "--caption"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    env = summary["environment"]
+    assert first.startswith("`python -m cascade.run ") and "k=3" in first.split("`")[1]
+    assert f"`{env['git_commit'][:7]}`" in first and ("DIRTY" if env["git_dirty"] else "clean") in first
+    assert f"family {env['cpu_family']} model {env['cpu_model']}" in first and "tiny:0 float32" in first

@@ -100,16 +100,21 @@ def test_best_chain_and_the_guard():
     assert not keep_tree(rich, Valued([0], 2.0, 1.0, sd=0.5), margin=1.0, min_gain=0.0)  # within the noise: the chain
 
 
-def test_realised_check_alternates_then_follows_the_outcomes():
+def test_realised_check_starts_on_chains_then_follows_the_outcomes():
+    check_ = RealisedCheck(window=8, probe=8, min_steps=2)
+    modes = [check_.next_mode() for _ in range(8)]
+    assert modes == ["chain", "tree"] * 4  # chains by default; trees every probe // 4 (= 2) steps until measured
     check_ = RealisedCheck(window=8, probe=4, min_steps=2)
-    modes = [check_.next_mode() for _ in range(4)]
-    assert modes == ["chain", "tree", "chain", "tree"]  # alternate until both are measured
-    check_ = RealisedCheck(window=8, probe=4, min_steps=2)
-    for _ in range(4):
+    for _ in range(8):
         check_.record(3 if check_.next_mode() == "chain" else 1, 1.0)  # chains deliver 3 tokens/s, trees 1
     picked = [check_.next_mode() for _ in range(8)]
     assert picked.count("chain") == 6 and picked.count("tree") == 2  # trees only on probe steps
     assert check_.snapshot() == {"tree_tokens_per_s": 1.0, "chain_tokens_per_s": 3.0}
+    check_ = RealisedCheck(window=8, probe=4, min_steps=2)
+    for _ in range(8):
+        check_.record(1 if check_.next_mode() == "chain" else 3, 1.0)  # trees deliver more: trees are drafted
+    picked = [check_.next_mode() for _ in range(8)]
+    assert picked.count("tree") == 6 and picked.count("chain") == 2
     with pytest.raises(ValueError):
         RealisedCheck(probe=1)
 

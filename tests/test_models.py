@@ -330,7 +330,7 @@ def test_direct_decoder_is_attached_and_bitwise_transformers_forward():
     assert len(mine) == len(theirs) == 6
     for a, b in zip(mine, theirs):
         assert a.shape == b.shape and torch.equal(a, b)
-    lm.lean = DirectDecoder(lm.model, explicit=False)  # each layer's own forward (other architectures)
+    lm.use_forward(DirectDecoder(lm.model, explicit=False))  # each layer's own forward (other architectures)
     assert all(isinstance(step, ModuleLayer) for step in lm.lean.steps)
     for a, b in zip(*_direct_vs_transformers(lm)):
         assert torch.equal(a, b)

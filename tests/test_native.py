@@ -1,4 +1,4 @@
-"""cascade's native CPU kernels (cascade/models/native.py, csrc/linear_kernels.cpp) and the lean
+"""cascade's native CPU kernels (cascade/models/native.py, csrc/) and the lean
 forward: accuracy against an fp64 reference within the stated fp32 bound on every linear shape
 the zoo's models use, odd sizes, 1-32 rows and non-contiguous inputs; bitwise row invariance
 (row i of an M-row call is the 1-row call on row i, M = 1..32) for the linears and the attention
@@ -387,23 +387,23 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
 
     try:
         a = run()
-        lm.lean = ops
+        lm.use_forward(ops)
         b = run()
     finally:
-        lm.lean = fused
+        lm.use_forward(fused)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
 
 def _both_paths(lm, fn):
     """fn(lm) with the lean forward and with transformers' forward on the same modules."""
-    lean, auto = lm.lean, lm.auto_direct
+    lean = lm.lean
     try:
         a = fn(lm)
-        lm.lean, lm.auto_direct = None, False
+        lm.use_forward(None)
         b = fn(lm)
     finally:
-        lm.lean, lm.auto_direct = lean, auto
+        lm.use_forward(lean)
     return a, b
 
 
@@ -778,3 +778,21 @@ def test_a_query_with_every_key_masked_is_an_error_not_nan():
             ext.attention(q, k, v, mask, 0.25)
         mask[0, 0, 1, 4] = 0.0
         assert not ext.attention(q, k, v, mask, 0.25).isnan().any()
+
+
+def test_stream_read_reads_every_byte():
+    """The bandwidth probe's streaming read folds every byte it reads (so none can be skipped):
+    over whole 256-byte steps its result is the XOR of the buffer's 64-bit words."""
+    import numpy as np
+
+    ext = native_kernels()
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 256, (1 << 21,), dtype=torch.uint8, generator=gen)  # two 1 MiB thread ranges
+    want = int(np.bitwise_xor.reduce(buf.numpy().view(np.uint64)))
+    assert ext.stream_read(buf) & (2**64 - 1) == want
+    flipped = buf.clone()
+    flipped[12345] ^= 0x10  # one bit of one byte anywhere changes the result
+    assert ext.stream_read(flipped) != ext.stream_read(buf)
+    for bad, said in ((buf.float(), "must be Byte"), (buf[::2], "must be contiguous"), (buf.to("meta"), "must be on the CPU")):
+        with pytest.raises(RuntimeError, match=f"stream_read: buffer {said}"):
+            ext.stream_read(bad)

@@ -227,7 +227,8 @@ def checked_direct_decoder(lm) -> DirectDecoder | None:
     reasons = []
     try:
         for explicit in (True, False):  # written-out Llama layers, else each layer as a module
-            lm.lean = decoder = DirectDecoder(lm.model, explicit=explicit)  # the candidate, through lm.forward
+            decoder = DirectDecoder(lm.model, explicit=explicit)
+            lm.use_forward(decoder)  # the candidate, through lm.forward
             try:
                 mine = _probe(lm.forward, lm)
             except (TypeError, ValueError, RuntimeError, AttributeError) as error:  # layers that take other arguments
@@ -240,6 +241,6 @@ def checked_direct_decoder(lm) -> DirectDecoder | None:
                 return decoder
             reasons.append("its outputs differ from transformers' forward on the probe")
     finally:
-        lm.lean = None  # the caller attaches what this returns
+        lm.use_forward(None)  # the caller attaches what this returns
     log.info("%s: transformers' forward (no direct decoder: %s)", lm.name, "; ".join(reasons))
     return None

@@ -279,57 +279,9 @@ class Eagle3Head(OneLayerHead):
         if not is_eagle3(state):
             raise HeadCheckpointError(f"{weights} is not an EAGLE-3 head (no midlayer.*): DraftHead.from_eagle reads EAGLE-1/2")
         parts = decoder_parts(lm)
-        tc = parts.config
-        hidden, heads, kv, head_dim = _attention_shape(tc)
-        vocab_size = lm.vocab_size
-        config = config or {}
-        wrong = []
-        for key, mine in (("hidden_size", hidden), ("vocab_size", vocab_size), ("num_attention_heads", heads),
-                          ("num_key_value_heads", kv)):
-            if key in config and int(config[key]) != int(mine):
-                wrong.append(f"{key} {config[key]} (target {mine})")
-        if "target_hidden_size" in config and int(config["target_hidden_size"]) != hidden:
-            wrong.append(f"target_hidden_size {config['target_hidden_size']} (target {hidden})")
-        theta = rope_theta(tc)
-        if config.get("rope_theta") is not None and theta is not None and float(config["rope_theta"]) != theta:
-            wrong.append(f"rope_theta {config['rope_theta']} (target {theta}: the head runs on the target's rotary)")
-        missing = [k for k in ("fc.weight", "lm_head.weight", "norm.weight", "midlayer.hidden_norm.weight",
-                               "midlayer.self_attn.q_proj.weight") if k not in state]
-        if missing:
-            raise HeadCheckpointError(f"{weights} lacks {missing}: not a complete EAGLE-3 head")
-        layers = tuple(int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-                       or default_layers(parts.num_layers))
-        if not all(1 <= i < parts.num_layers for i in layers):
-            wrong.append(f"captured layers {layers} (the target has {parts.num_layers})")
-        if tuple(state["fc.weight"].shape) != (hidden, len(layers) * hidden):
-            wrong.append(f"fc.weight {tuple(state['fc.weight'].shape)} (target needs {(hidden, len(layers) * hidden)})")
-        q_shape = tuple(state["midlayer.self_attn.q_proj.weight"].shape)
-        if q_shape != (heads * head_dim, 2 * hidden):
-            wrong.append(f"midlayer.self_attn.q_proj.weight {q_shape} (target needs {(heads * head_dim, 2 * hidden)})")
-        draft_vocab = int(state["lm_head.weight"].shape[0])
-        if "draft_vocab_size" in config and int(config["draft_vocab_size"]) != draft_vocab:
-            wrong.append(f"draft_vocab_size {config['draft_vocab_size']} but lm_head.weight has {draft_vocab} rows")
-        emb = state.get("embed_tokens.weight")
-        if emb is not None and tuple(emb.shape) != (vocab_size, hidden):
-            wrong.append(f"embed_tokens.weight {tuple(emb.shape)} (target {(vocab_size, hidden)})")
-        d2t = state.get("d2t")
-        if d2t is None:
-            if draft_vocab != vocab_size:
-                wrong.append(f"lm_head.weight has {draft_vocab} rows but no d2t maps them onto the target's {vocab_size}")
-            vocab = torch.arange(vocab_size)
-        else:
-            vocab = torch.arange(d2t.numel()) + d2t.long()
-            if d2t.numel() != draft_vocab:
-                wrong.append(f"d2t has {d2t.numel()} entries, lm_head.weight {draft_vocab} rows")
-            elif int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size or vocab.unique().numel() != vocab.numel():
-                wrong.append(f"d2t maps draft ids outside [0, {vocab_size}) or two onto one target id")
-            elif "t2d" in state and not torch.equal(state["t2d"].bool().nonzero().reshape(-1), vocab.sort().values):
-                wrong.append("t2d does not mark exactly the target ids d2t maps onto")
-        ours = config.get("cascade") or {}  # a head trained here names its target
-        if ours.get("target") not in (None, lm.name):
-            wrong.append(f"trained for {ours['target']!r}")
-        if wrong:
-            raise HeadCheckpointError(f"{weights} does not fit target {lm.name!r}: " + "; ".join(wrong))
+        tc, config = parts.config, config or {}
+        hidden = _attention_shape(tc)[0]
+        layers, draft_vocab, vocab, ours = _check_release(weights, config, state, lm)
 
         # the head's layer: the target family's decoder layer with q/k/v reading 2H
         hc = _head_config(tc, config.get("intermediate_size"))
@@ -360,6 +312,63 @@ class Eagle3Head(OneLayerHead):
         head.metrics = {"source": str(weights), "format": "eagle-3", "layers": list(layers), "draft_vocab": draft_vocab,
                         **(ours.get("metrics") or {})}
         return head
+
+
+def _check_release(weights: Path, config: dict, state: dict, lm: CausalLM):
+    """An EAGLE-3 release against ``lm``: (captured layers, draft vocabulary size, the target id of
+    each draft id, cascade's own metadata) or ``HeadCheckpointError`` naming every difference."""
+    parts = decoder_parts(lm)
+    tc = parts.config
+    hidden, heads, kv, head_dim = _attention_shape(tc)
+    vocab_size = lm.vocab_size
+    wrong = []
+    for key, mine in (("hidden_size", hidden), ("vocab_size", vocab_size), ("num_attention_heads", heads),
+                      ("num_key_value_heads", kv)):
+        if key in config and int(config[key]) != int(mine):
+            wrong.append(f"{key} {config[key]} (target {mine})")
+    if "target_hidden_size" in config and int(config["target_hidden_size"]) != hidden:
+        wrong.append(f"target_hidden_size {config['target_hidden_size']} (target {hidden})")
+    theta = rope_theta(tc)
+    if config.get("rope_theta") is not None and theta is not None and float(config["rope_theta"]) != theta:
+        wrong.append(f"rope_theta {config['rope_theta']} (target {theta}: the head runs on the target's rotary)")
+    missing = [k for k in ("fc.weight", "lm_head.weight", "norm.weight", "midlayer.hidden_norm.weight",
+                           "midlayer.self_attn.q_proj.weight") if k not in state]
+    if missing:
+        raise HeadCheckpointError(f"{weights} lacks {missing}: not a complete EAGLE-3 head")
+    layers = tuple(int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                   or default_layers(parts.num_layers))
+    if not all(1 <= i < parts.num_layers for i in layers):
+        wrong.append(f"captured layers {layers} (the target has {parts.num_layers})")
+    if tuple(state["fc.weight"].shape) != (hidden, len(layers) * hidden):
+        wrong.append(f"fc.weight {tuple(state['fc.weight'].shape)} (target needs {(hidden, len(layers) * hidden)})")
+    q_shape = tuple(state["midlayer.self_attn.q_proj.weight"].shape)
+    if q_shape != (heads * head_dim, 2 * hidden):
+        wrong.append(f"midlayer.self_attn.q_proj.weight {q_shape} (target needs {(heads * head_dim, 2 * hidden)})")
+    draft_vocab = int(state["lm_head.weight"].shape[0])
+    if "draft_vocab_size" in config and int(config["draft_vocab_size"]) != draft_vocab:
+        wrong.append(f"draft_vocab_size {config['draft_vocab_size']} but lm_head.weight has {draft_vocab} rows")
+    emb = state.get("embed_tokens.weight")
+    if emb is not None and tuple(emb.shape) != (vocab_size, hidden):
+        wrong.append(f"embed_tokens.weight {tuple(emb.shape)} (target {(vocab_size, hidden)})")
+    d2t = state.get("d2t")
+    if d2t is None:
+        if draft_vocab != vocab_size:
+            wrong.append(f"lm_head.weight has {draft_vocab} rows but no d2t maps them onto the target's {vocab_size}")
+        vocab = torch.arange(vocab_size)
+    else:
+        vocab = torch.arange(d2t.numel()) + d2t.long()
+        if d2t.numel() != draft_vocab:
+            wrong.append(f"d2t has {d2t.numel()} entries, lm_head.weight {draft_vocab} rows")
+        elif int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size or vocab.unique().numel() != vocab.numel():
+            wrong.append(f"d2t maps draft ids outside [0, {vocab_size}) or two onto one target id")
+        elif "t2d" in state and not torch.equal(state["t2d"].bool().nonzero().reshape(-1), vocab.sort().values):
+            wrong.append("t2d does not mark exactly the target ids d2t maps onto")
+    ours = config.get("cascade") or {}  # a head trained here names its target
+    if ours.get("target") not in (None, lm.name):
+        wrong.append(f"trained for {ours['target']!r}")
+    if wrong:
+        raise HeadCheckpointError(f"{weights} does not fit target {lm.name!r}: " + "; ".join(wrong))
+    return layers, draft_vocab, vocab, ours
 
 
 def open_head(path: str | Path, lm: CausalLM) -> DraftHead | Eagle3Head:

@@ -224,6 +224,6 @@ def attach_lean(lm) -> None:
     use_native_attention(lm.model)
     reason = lean_unsupported(lm.model)
     if reason is None:
-        lm.lean = LeanDecoder(lm.model)
+        lm.use_forward(LeanDecoder(lm.model))
     else:
         log.info("%s: transformers' forward (the lean forward does not apply: %s)", lm.name, reason)

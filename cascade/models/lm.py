@@ -69,14 +69,26 @@ class CausalLM:
     name: str
     # The forward that runs: a LeanDecoder (native backends; ``cascade.models.lean``), a
     # DirectDecoder (transformers' forward with its modules called directly; bitwise the same,
-    # ``cascade.models.direct``), or None: transformers' forward itself.
-    lean: LeanDecoder | DirectDecoder | None = None
+    # ``cascade.models.direct``), or None: transformers' forward itself. Read as ``lean``; set
+    # only through ``use_forward`` (the backend's loader, the direct forward's probe).
+    _decoder: LeanDecoder | DirectDecoder | None = field(default=None, kw_only=True, repr=False)
     # At the first forward, with ``lean`` None: attach a DirectDecoder if it reproduces
     # transformers' forward bit for bit on a probe (else keep transformers'). False: leave ``lean``.
     auto_direct: bool = field(default=True, kw_only=True)
     # How the weights are held and multiplied (``cascade.models.backend``): set by the loader that
     # applied it (``load_model``, ``quantized_copy``); None for a model built by hand.
     backend: Backend | None = field(default=None, kw_only=True)
+
+    @property
+    def lean(self) -> LeanDecoder | DirectDecoder | None:
+        """The forward that runs (None: transformers')."""
+        return self._decoder
+
+    def use_forward(self, decoder: LeanDecoder | DirectDecoder | None) -> None:
+        """The one way to set the forward that runs: a ``LeanDecoder``, a ``DirectDecoder`` or
+        None (transformers'); no later automatic choice replaces it."""
+        self._decoder = decoder
+        self.auto_direct = False
 
     # ---- facts -------------------------------------------------------------------------
     @property
@@ -202,11 +214,11 @@ class CausalLM:
     def _choose_forward(self) -> None:
         if self.auto_direct:  # decided once, at the first forward
             self.auto_direct = False
-            if self.lean is None:
+            if self._decoder is None:
                 observers = _FORWARD_OBSERVERS[:]
                 _FORWARD_OBSERVERS.clear()  # the probe's forwards are not the caller's: no clock prices them
                 try:
-                    self.lean = checked_direct_decoder(self)
+                    self._decoder = checked_direct_decoder(self)
                 finally:
                     _FORWARD_OBSERVERS.extend(observers)
 
@@ -216,13 +228,13 @@ class CausalLM:
         profiler's, a diagnostic's) see each layer, attention, MLP and linear; bitwise the same
         forward. (The native lean forward calls kernels, not modules: unchanged.)"""
         self._choose_forward()
-        saved = self.lean
+        saved = self._decoder
         if isinstance(saved, DirectDecoder):
-            self.lean = DirectDecoder(self.model, explicit=False)
+            self._decoder = DirectDecoder(self.model, explicit=False)
         try:
             yield self
         finally:
-            self.lean = saved
+            self._decoder = saved
 
     @torch.inference_mode()
     def transformers_forward(self, tokens: torch.Tensor | list[int], cache: DynamicCache,

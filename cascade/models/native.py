@@ -1,5 +1,5 @@
-"""cascade's own CPU kernels (``csrc/linear_kernels.cpp``): weight-only linear layers for the
-1-32 rows decoding and verification multiply, fp32 arithmetic.
+"""cascade's own CPU kernels (``csrc/``; the design notes in ``linear.cpp``): weight-only linear
+layers for the 1-32 rows decoding and verification multiply, fp32 arithmetic.
 
 Why a C++ extension: torch ships no CPU kernel that reads a 16-bit (or lower) weight once per
 call for 2-32 rows. FBGEMM's fp16-weight GEMM costs more with every row, oneDNN and MKL need
@@ -46,7 +46,10 @@ log = logging.getLogger(__name__)
 
 PANEL = 32  # output columns per packed panel (the kernels' NC)
 INT4_GROUP = 64  # K values per int4 scale
-SOURCE = Path(__file__).with_name("csrc") / "linear_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+# one file per concern (kernels.h: the shared layout, loops and checks; linear, int8_dot,
+# attention, norm_rope, decoder, bindings); every file of csrc/ is in the build's hash
+SOURCES = sorted(CSRC.glob("*.cpp"))
 # -ffp-contract=off: no multiply-add the source does not spell out is fused (the kernels' stated
 # order of operations, and so their row invariance, must not depend on the compiler's choices)
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
@@ -57,13 +60,14 @@ _state: dict[str, object] = {}
 def _build_dir() -> Path:
     from cascade.models import zoo
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    files = b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
+    digest = hashlib.sha256(files + " ".join(CFLAGS).encode()).hexdigest()[:12]
     return zoo.cache_root() / "native" / f"torch{torch.__version__}-{digest}"
 
 
-def build_extension(name: str, source: Path, build_dir: Path, extra_cflags: tuple[str, ...] = (),
+def build_extension(name: str, sources: list[Path], build_dir: Path, extra_cflags: tuple[str, ...] = (),
                     lock_timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Compile (or load the cached build of) a kernels source as the extension module ``name``
+    """Compile (or load the cached build of) kernel sources as the extension module ``name``
     in ``build_dir``, with this module's flags (``extra_cflags`` after them: the experiments'
     -D variants and other revisions of the source). Under cascade's build lock (``build_lock``:
     torch's own lock waits forever on one a killed build left); ``BuildLockTimeout`` when another
@@ -71,7 +75,7 @@ def build_extension(name: str, source: Path, build_dir: Path, extra_cflags: tupl
     from torch.utils.cpp_extension import load
 
     with build_lock(build_dir, lock_timeout_s):
-        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
+        return load(name=name, sources=[str(p) for p in sources], build_directory=str(build_dir),
                     extra_cflags=CFLAGS + list(extra_cflags), extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -87,7 +91,7 @@ def native_kernels():
         reason = f"the kernels are x86 (AVX2 / AVX-512); this machine is {platform.machine()}"
     else:
         try:
-            module = build_extension("cascade_native", SOURCE, _build_dir())
+            module = build_extension("cascade_native", SOURCES, _build_dir())
             if module.isa() == "none":
                 module, reason = None, "this CPU has neither AVX-512 nor AVX2 + FMA + F16C"
         except Exception as exc:  # no compiler, missing headers, a failed build, a lock held too long: fall back, say why

@@ -129,5 +129,5 @@ def prune_head(lm: CausalLM, keep: torch.Tensor) -> CausalLM:
         raise TypeError(f"{type(lm.model).__name__}: could not swap the LM head on a copy")
     pruned_lm = CausalLM(model, lm.tokenizer, f"{lm.name}[head {keep.numel()}/{vocab}]", backend=lm.backend)
     if isinstance(lm.lean, LeanDecoder):  # the lean forward reads the head from the model it is built on
-        pruned_lm.lean = LeanDecoder(model)
+        pruned_lm.use_forward(LeanDecoder(model))
     return pruned_lm

@@ -13,8 +13,8 @@ than the best of them is a loss the policy chose. Two checks keep it from choosi
    each drafting mode ("tree": the policy grows freely; "chain": at most one node per depth)
    actually emitted per second actually spent (measured seconds, or the virtual clock's). When
    trees deliver fewer tokens per second than chains, the policy drafts chains; every
-   ``probe``-th step drafts the other mode so both stay measured (until each mode has a few
-   outcomes, they alternate).
+   ``probe``-th step drafts the other mode so both stay measured. Chains are the default: until
+   trees have a few outcomes, they are drafted on every fourth probe period only.
 
 What this guarantees, and what not (docs/methods.md): within the estimates, a verified tree is
 worth at least the best contained chain; over a window, the mode that delivers fewer tokens per
@@ -78,15 +78,20 @@ def keep_tree(tree_value: Valued, chain_value: Valued, margin: float, min_gain: 
 
 
 class RealisedCheck:
-    """Tokens per second of each drafting mode over its last ``window`` steps; picks the mode."""
+    """Tokens per second of each drafting mode over its last ``window`` steps; picks the mode.
 
-    def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 8) -> None:
+    Chains are the default: until trees have ``min_steps`` outcomes they are drafted on every
+    ``max(2, probe // 4)``-th step only (so their first outcomes come after the acceptance
+    estimates have learnt from chains, and few steps are spent on trees grown from priors); then
+    the mode that delivered more tokens per second is drafted, the other every ``probe``-th step."""
+
+    def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 4) -> None:
         if window < 1 or probe < 2 or min_steps < 1:
             raise ValueError(f"invalid realised-outcome check: window {window}, probe {probe}, min_steps {min_steps}")
         self.window, self.probe, self.min_steps = window, probe, min_steps
         self.outcomes = {m: deque(maxlen=window) for m in MODES}  # (tokens, seconds) per step
         self.steps = 0
-        self.mode = "tree"
+        self.mode = "chain"
 
     def rate(self, mode: str) -> float | None:
         out = self.outcomes[mode]
@@ -96,15 +101,14 @@ class RealisedCheck:
         return sum(t for t, _ in out) / seconds if seconds > 0 else None
 
     def next_mode(self) -> str:
-        """The mode of the next step: until both modes have ``min_steps`` outcomes, they
-        alternate; then the better realised one (chains on a tie), the other every probe-th step."""
+        """The mode of the next step (see the class docstring; chains on a tie)."""
         self.steps += 1
         tree, chain = self.rate("tree"), self.rate("chain")
-        if tree is None or chain is None:
-            self.mode = MODES[self.steps % 2]
-        else:
-            best = "chain" if chain >= tree else "tree"
-            self.mode = best if self.steps % self.probe else ("tree" if best == "chain" else "chain")
+        measured = tree is not None and chain is not None
+        best = "tree" if measured and tree > chain else "chain"
+        other = "chain" if best == "tree" else "tree"
+        period = self.probe if measured else max(2, self.probe // 4)
+        self.mode = other if self.steps % period == 0 else best
         return self.mode
 
     def record(self, tokens: int, seconds: float) -> None:
