@@ -2,7 +2,8 @@
 the same run whose drafter is one of the tree's drafters (matched by drafter name), the ratio of
 their decode and whole-call speedups, and the tree's shape (nodes per round, deepest node, the
 share of rounds verified as one chain by choice); with two runs of the same command, how much
-each tree's shape moved between them.
+each tree's shape moved between them; and for two methods that draft alike (an A/A control), the
+ratio of their speedups: the noise between two methods of one run.
 
     python -m analysis.guarantee RUN_DIR [OTHER_RUN_DIR]
 """
@@ -22,6 +23,14 @@ def contained_chains(methods: dict) -> dict[str, list[str]]:
     chains = {n: m.drafter.name for n, m in methods.items() if not m.drafter.parts and m.drafter.kind != "autoregressive"}
     return {n: [c for c, name in chains.items() if name in {p.name for p in m.drafter.parts}]
             for n, m in methods.items() if m.drafter.parts and "tree" in m.drafter.kind}
+
+
+def twins(methods: dict) -> list[tuple[str, str]]:
+    """Pairs of chain methods of one run that draft alike (the same drafter description): an A/A
+    control, whose ratio is the host's noise between two methods doing the same work."""
+    names = [n for n, m in methods.items() if m.drafter.kind != "autoregressive" and not m.drafter.parts]  # chains
+    # (trees' descriptions leave their policies' settings out: two trees that describe alike may differ)
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if methods[a].drafter == methods[b].drafter]
 
 
 def shape(steps: list[dict], method: str) -> dict[str, float]:
@@ -66,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['whole']:6.2f}x {r['chain_whole']:>18s} {r['vs_whole']:6.3f} {r['nodes']:6.2f} "
                       f"{r['depth']:6.2f} {r['chains']:6.1%}")
                 shapes.setdefault((Path(job.dir).name, r["method"]), []).append(r)
+            methods = job.summary.methods
+            for a, b in twins(methods):
+                print(f"  A/A control {a} / {b}: decode {methods[a].decode_speedup / methods[b].decode_speedup:.3f}, "
+                      f"whole {methods[a].speedup / methods[b].speedup:.3f} (the same drafts: the host's noise between methods)")
     pairs = {k: v for k, v in shapes.items() if len(v) == 2}
     if pairs:
         print("tree shape between the two runs (relative change of nodes per round and depth):")

@@ -7,9 +7,11 @@ PROMPT`` (repeatable): each method's overall whole-call and decode-only speedups
 remaining prompts (whole calls from the per-prompt tok/s, decoding from ``steps.jsonl``), for a
 prompt a disturbance distorted.
 
-    python -m analysis.markdown RUN_DIR [--by-category] [--without PROMPT ...] [--caption]
+    python -m analysis.markdown RUN_DIR [--by-category] [--without PROMPT ...] [--caption] [--pair OTHER_RUN_DIR]
 
 ``--caption`` first prints what made the table (command, commit, CPU, backends), from the run.
+``--pair OTHER_RUN_DIR``: two runs of the same command side by side (τ, nodes per step,
+decode-only and whole-call speedups of each).
 """
 
 from __future__ import annotations
@@ -105,6 +107,24 @@ def without_table(run_dir: Path, summary: dict, skip: set[str]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
 
 
+def pair_table(first: dict, second: dict) -> str:
+    """Two runs of the same command side by side (docs/results.md's "a / b" tables): τ and nodes
+    per step of each, decode-only and whole-call speedups of each, greedy outputs equal to the
+    baseline's in each."""
+    head = ["method", "τ (a / b)", "nodes/step (a / b)", "decode a", "decode b", "whole a", "whole b", "same"]
+    rows = []
+    for name, a in first["methods"].items():
+        b = second["methods"].get(name)
+        if b is None:
+            continue
+        nodes = [m["stats"].get("tree_nodes_per_step") or m["stats"].get("drafted_per_step") or 0.0 for m in (a, b)]
+        prompts = [len(run["methods"][run["baseline"]].get("tokens") or {}) for run in (first, second)]
+        rows.append([name, f"{_tau(a)} / {_tau(b)}", f"{nodes[0]:.1f} / {nodes[1]:.1f}", _decode(a), _decode(b),
+                     f"{a['speedup']:.2f}x", f"{b['speedup']:.2f}x",
+                     f"{a.get('identical_to_baseline', 0)}/{prompts[0]}, {b.get('identical_to_baseline', 0)}/{prompts[1]}"])
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
+
 def caption(run_dir: Path, summary: dict) -> str:
     """What made the table, from the run itself: the command (its Hydra overrides), the commit and
     whether the code was clean, the CPU, the backends and threads (the summary's environment)."""
@@ -125,14 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without", action="append", default=[], metavar="PROMPT",
                     help="overall speedups without this prompt (repeatable)")
     ap.add_argument("--caption", action="store_true", help="first a line naming the command, commit, CPU and backends")
+    ap.add_argument("--pair", metavar="OTHER_RUN_DIR", help="a second run of the same command, side by side (a / b)")
     args = ap.parse_args(argv)
     path = Path(args.run_dir) / "summary.json"
     if not path.is_file():
         raise SystemExit(f"{path} does not exist: pass a run directory of python -m cascade.run")
     summary = json.loads(path.read_text())
+    other = json.loads((Path(args.pair) / "summary.json").read_text()) if args.pair else None
     if args.caption:
-        print(caption(Path(args.run_dir), summary) + "\n")
-    if args.without:
+        print(("a: " if other else "") + caption(Path(args.run_dir), summary) + "\n")
+        if other:
+            print("b: " + caption(Path(args.pair), other) + "\n")
+    if other:
+        print(pair_table(summary, other))
+    elif args.without:
         print(without_table(Path(args.run_dir), summary, set(args.without)))
     else:
         print(category_table(summary) if args.by_category else table(summary))

@@ -85,9 +85,9 @@ class VerticalCascade(Drafter):
         # The lower level drafts for the top's model: a self-drafting lower level (a layer skip
         # of the top's model) shares the top's cache (the target's, when the top is itself a
         # layer skip). The top's reset may have made a new cache, hence binding here.
-        top_cache = getattr(self.top, "cache", None)
-        if top_cache is not None:
-            self.lower.bind(self.top.model, top_cache)
+        shared = self.top.draft_cache()
+        if shared is not None:
+            self.lower.bind(*shared)
         self.lower.reset(sampling, generator)
 
     def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:

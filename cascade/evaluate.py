@@ -122,9 +122,13 @@ def decode_interleaved(target: CausalLM, methods: dict[str, Method], prompts: li
                        sampling: SamplingConfig, *, warmup: bool = True, progress: bool = True,
                        seed: int = 0, device: str | None = None) -> dict[str, list[Generation]]:
     """Every method on every prompt, interleaved prompt by prompt so that machine noise hits all
-    methods alike, after one short warm-up generation per method. Prompt i is decoded with seed
-    ``seed + i``. ``device``: every generation on a virtual clock of that device
-    (``cascade.costs``: its times are predictions). Returns name -> [Generation per prompt]."""
+    methods alike, after one short warm-up generation per method. The methods' order rotates by
+    one place per prompt (prompt i starts with the i-th method): in a fixed order the methods
+    late in each prompt's sequence ran slower on a shared host (DyTC behind five chains: 0.78-0.96
+    of the chain drafting the same tokens at the same cost on a quiet machine), so no method keeps
+    one position. Prompt i is decoded with seed ``seed + i``. ``device``: every generation on a
+    virtual clock of that device (``cascade.costs``: its times are predictions). Returns
+    name -> [Generation per prompt]."""
     def clock() -> VirtualClock | None:
         return None if device is None else VirtualClock(device)
 
@@ -132,10 +136,17 @@ def decode_interleaved(target: CausalLM, methods: dict[str, Method], prompts: li
         for method in methods.values():
             method.decode(target, prompts[0][:32], min(8, max_new_tokens), sampling, 0, clock())
     gens: dict[str, list[Generation]] = {name: [] for name in methods}
+    names = list(methods)
     for i, ids in enumerate(tqdm(prompts, desc="prompts", disable=not progress)):
-        for name, method in methods.items():
-            gens[name].append(method.decode(target, ids, max_new_tokens, sampling, seed + i, clock()))
+        for name in rotated(names, i):
+            gens[name].append(methods[name].decode(target, ids, max_new_tokens, sampling, seed + i, clock()))
     return gens
+
+
+def rotated(names: list[str], i: int) -> list[str]:
+    """``names`` starting at position ``i`` (mod their count): prompt i's order of the methods."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def heldout(gens: list[Generation], base: list[Generation]) -> HeldOut | None:

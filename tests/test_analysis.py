@@ -240,3 +240,9 @@ def test_markdown_table_of_a_run(sweep, capsys):
     assert first.startswith("`python -m cascade.run ") and "k=3" in first.split("`")[1]
     assert f"`{env['git_commit'][:7]}`" in first and ("DIRTY" if env["git_dirty"] else "clean") in first
     assert f"family {env['cpu_family']} model {env['cpu_model']}" in first and "tiny:0 float32" in first
+    # two runs side by side: each method's τ, nodes, decode and whole-call speedups of both
+    assert markdown_main([str(job), "--pair", str(sweep / "1_k2")]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    other = json.loads((sweep / "1_k2" / "summary.json").read_text())["methods"]["layer_skip"]
+    assert rows[1][0] == "| layer_skip" and rows[1][1] == f"{ls['stats']['tau']:.2f} / {other['stats']['tau']:.2f}"
+    assert rows[1][5:7] == [f"{ls['speedup']:.2f}x", f"{other['speedup']:.2f}x"]

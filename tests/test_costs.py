@@ -165,6 +165,11 @@ def test_guarantee_table_matches_trees_to_their_drafters_chains(tmp_path):
     table = {r["method"]: r for r in rows(jobs[0])}
     best = max(summary.methods[c].decode_speedup for c in trees["dytc_tree"])
     assert table["dytc_tree"]["vs_decode"] == pytest.approx(summary.methods["dytc_tree"].decode_speedup / best)
+    from analysis.guarantee import twins
+
+    assert twins(summary.methods) == []  # no two of these draft alike
+    renamed = dict(summary.methods, chain_k8_again=summary.methods["chain_k8"])
+    assert twins(renamed) == [("chain_k8", "chain_k8_again")]  # an A/A control is found
 
 
 def test_spine_depth_rate_is_validated_and_keeps_trees_lossless(tiny_target, tiny_close_drafter):

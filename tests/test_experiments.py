@@ -316,3 +316,25 @@ def test_block_verification_refuses_a_tree_method(tmp_path):
                "progress=false")
     with pytest.raises(ValueError, match="drafts token trees.*verify=traversal"):
         run_mod.run(cfg)
+
+
+def test_interleaved_methods_rotate_their_order_per_prompt():
+    """No method keeps one place in each prompt's sequence (a late place ran slower on a shared
+    host): prompt i starts with the i-th method; each method still sees every prompt once."""
+    from cascade.evaluate import decode_interleaved
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def decode(self, target, ids, max_new_tokens, sampling, seed, clock):
+            calls.append((self.name, ids[0], seed))
+            return self.name
+
+    methods = {n: Recorder(n) for n in ("ar", "a", "b")}
+    gens = decode_interleaved(None, methods, [[10], [11], [12], [13]], 4, None, warmup=False, progress=False, seed=5)
+    assert [c[0] for c in calls] == ["ar", "a", "b", "a", "b", "ar", "b", "ar", "a", "ar", "a", "b"]
+    assert all(seed == 5 + prompt - 10 for _, prompt, seed in calls)  # prompt i keeps seed + i whatever the order
+    assert gens == {n: [n] * 4 for n in methods}

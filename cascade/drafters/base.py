@@ -52,6 +52,9 @@ class Drafter(ABC):
     # Whether its drafts may be token trees (else always chains): a chain-only verification
     # rule (block verification) refuses such a drafter before decoding.
     drafts_trees: bool = False
+    # Whether it samples its drafts when the run samples (False: argmax drafts, deterministic,
+    # q one-hot); a tree policy reads it to rank or draw a drafter's children.
+    sample: bool = True
 
     def check_compatible(self, target: CausalLM) -> None:
         """Raise ValueError when this drafter cannot draft for ``target`` (e.g. vocabulary)."""
@@ -81,6 +84,11 @@ class Drafter(ABC):
         for the m positions this step committed (the last root and the accepted path).
         ``scored``: the verifying forward's inputs and raw logits (``Scored``); a drafter that
         learns from them must not modify them."""
+
+    def draft_cache(self) -> tuple[CausalLM, object] | None:
+        """The model and KV cache this drafter drafts on, which a self-drafting lower level of a
+        cascade (a layer skip of that model) shares; None for a drafter without a model."""
+        return None
 
     @property
     def budget(self) -> int | None:

@@ -111,6 +111,9 @@ class CrossTokenizerDrafter(LMDrafter):
         return self.rule == "string"
 
     # ---- cache ----------------------------------------------------------------------------------
+    def draft_cache(self):
+        return None if self.cache is None else (self.model, self.cache)
+
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
         self.cache = self.model.new_cache()

@@ -172,6 +172,9 @@ class LayerSkipDrafter(LMDrafter):
             self.check_compatible(target)
         self.cache = cache
 
+    def draft_cache(self):
+        return None if self.cache is None else (self.model, self.cache)
+
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
         self.exit.reset()

@@ -38,6 +38,9 @@ class SmallLMDrafter(LMDrafter):
         self.name = name or f"small_lm({model.name})"
         self.reset(SamplingConfig(), None)
 
+    def draft_cache(self):
+        return None if self.cache is None else (self.model, self.cache)
+
     def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
         super().reset(sampling, generator)
         self.cache = self.model.new_cache()

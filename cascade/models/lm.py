@@ -3,9 +3,11 @@
 It exposes what speculative decoding needs and nothing model-specific: one forward over new
 tokens at explicit positions on top of a KV cache (with an optional 4D attention mask for
 trees, and optionally one layer's hidden states for self-drafters), and the cache operations:
-length, crop to an accepted prefix, compaction to an accepted tree path. This class owns the
-cache: no other module edits transformers' cache layers. Model quirks (loading, tokenizers,
-layer access) live in this package only.
+length, crop to an accepted prefix, compaction to an accepted tree path. The cache is edited
+only inside this package: here (crop, compaction), by its preallocated layers (kv_cache.py), by
+the forwards that write them (lean.py) and by the layer-access helpers (layers.py: a layer
+skip's own entries, removed before it returns). Model quirks (loading, tokenizers, layer access)
+live in this package only.
 """
 
 from __future__ import annotations

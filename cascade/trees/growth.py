@@ -88,7 +88,7 @@ class LevelCalls:
 
     def deterministic(self, i: int) -> bool:
         """Drafter i's children are its ranked tokens (greedy runs, or ``sample=False``)."""
-        return self.sampling.greedy or not getattr(self.drafters[i], "sample", True)
+        return self.sampling.greedy or not self.drafters[i].sample
 
     def forward(self, tree: Tree, i: int, expand: list[int]) -> dict[int, torch.Tensor]:
         """LM drafter i's next-token logits [V] at every node of ``expand`` (-1 = root), in one
