@@ -77,6 +77,11 @@ def real_tokens() -> dict:
     return {f"{name}/greedy/0": generate(target, prompt, drafter=d, max_new_tokens=32).tokens for name, d in methods.items()}
 
 
+def dumps(tokens: dict) -> str:
+    """One cell per line."""
+    return "{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in tokens.items()) + "\n}\n"
+
+
 def differences(kind: str) -> list[str]:
     want = json.loads(FILES[kind].read_text())
     got = tiny_tokens() if kind == "tiny" else real_tokens()
@@ -91,7 +96,7 @@ def main(argv: list[str]) -> int:
     for kind in kinds:
         if argv[0] == "write":
             FILES[kind].parent.mkdir(exist_ok=True)
-            FILES[kind].write_text(json.dumps(tiny_tokens() if kind == "tiny" else real_tokens(), indent=0) + "\n")
+            FILES[kind].write_text(dumps(tiny_tokens() if kind == "tiny" else real_tokens()))
             print(f"wrote {FILES[kind]}")
         else:
             bad = differences(kind)
