@@ -231,7 +231,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", default="bf16,fp16w,native,native_hf,int8",
-                    help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, dispatch, native, native_ops, native_hf, int8, int8n, int8v, "
+                    help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, native, native_ops, native_hf, int8, int8n, int8v, "
                          "int4n, int4v, int4v_ops (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prefill timed per backend (0: skip)")
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
@@ -241,7 +241,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()  # a loading bar per backend would bury the table
     ks = [int(k) for k in args.ks.split(",")]
     known = {"bf16": dict(backend="bfloat16"), "fp32": dict(backend="float32"), "fp32+oneDNN": dict(backend="onednn"),
-             "fp16w": dict(backend="fp16w"), "dispatch": dict(backend="dispatch"), "native": dict(backend="native"),
+             "fp16w": dict(backend="fp16w"), "native": dict(backend="native"),
              "native_hf": dict(backend="native", lean=False), "native_ops": dict(backend="native", lean="ops"),
              "int8": dict(backend="int8_dynamic"), "int8n": dict(backend="int8_native"), "int8v": dict(backend="int8_vnni"),
              "int4n": dict(backend="int4_native"), "int4v": dict(backend="int4_vnni"),
@@ -282,9 +282,9 @@ def main() -> None:
             print(f"{name:12s} {k:3d} " + " ".join(f"{1000 * comp[c]:9.1f}" for c in keys))
 
 
-# bytes each backend streams per linear weight (dispatch: fp16 copies; int8: one byte plus a
+# bytes each backend streams per linear weight (int8: one byte plus a
 # scale per tensor; int8n: per channel; int4n: half a byte plus an fp32 scale per 64 weights)
-BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "dispatch": 2, "native": 2, "native_ops": 2, "native_hf": 2, "int8": 1, "int8n": 1,
+BYTES_PER_WEIGHT = {"bf16": 2, "fp32": 4, "fp32+oneDNN": 4, "fp16w": 2, "native": 2, "native_ops": 2, "native_hf": 2, "int8": 1, "int8n": 1,
                     "int8v": 1, "int4n": 0.5 + 4 / 64, "int4v": 0.5 + 4 / 64, "int4v_ops": 0.5 + 4 / 64}
 LINEARS = " linears"  # a backend's linears-alone row (:func:`linears_pass_s`) is named "<backend> linears"
 
@@ -293,7 +293,7 @@ def bytes_per_weight(row: str) -> float:
     return BYTES_PER_WEIGHT.get(row.removesuffix(LINEARS), 2)
 
 
-EXACT = ("fp32", "fp32+oneDNN", "fp16w", "dispatch", "native", "native_ops", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
+EXACT = ("fp32", "fp32+oneDNN", "fp16w", "native", "native_ops", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
 
 
 def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], measured: Bandwidth, params: int,

@@ -216,66 +216,11 @@ def test_fp16w_is_refused_where_it_does_not_apply():
         load_model("tiny:0", dtype="fp16w", onednn=True)
 
 
-def test_dispatch_runs_the_planned_kernel_per_row_count(tmp_path):
-    """Each bucket's kernel is the plan's; every kernel path equals the fp64 product; the plan is
-    cached on disk and reused without timing again."""
-    from cascade.models.cpu_kernels import ROW_BUCKETS, DispatchLinear, KernelPlan, available_kernels, row_bucket, shape_key
-
-    kernels = available_kernels()
-    if len(kernels) < 2:
-        pytest.skip("needs both FBGEMM and oneDNN")
-    assert [row_bucket(r) for r in (1, 2, 3, 8, 9, 128, 500)] == [0, 1, 2, 3, 4, 7, 7]
-    gen = torch.Generator().manual_seed(0)
-    linear = torch.nn.Linear(48, 40)
-    with torch.no_grad():
-        linear.weight.copy_(linear.weight.bfloat16().float())
-    choice = ["fp16w", "onednn"] * (len(ROW_BUCKETS) // 2)
-    fast = DispatchLinear(linear, choice)
-    calls = []
-    for k, m in fast.kernels.items():
-        m.register_forward_hook(lambda mod, inp, out, k=k: calls.append(k))
-    for rows in (1, 2, 3, 5, 200):
-        x = torch.randn(rows, 48, generator=gen)
-        want = x.double() @ linear.weight.double().T + linear.bias.double()
-        torch.testing.assert_close(fast(x).double(), want, atol=1e-5, rtol=1e-5)
-        assert calls[-1] == choice[row_bucket(rows)]
-    plan = KernelPlan.load(tmp_path / "plan.json")
-    assert plan.calibrate([linear], kernels, repeats=1) == 1
-    again = KernelPlan.load(tmp_path / "plan.json")
-    assert again.calibrate([linear], kernels, repeats=1) == 0  # cached: nothing timed
-    ms = again.entries[shape_key(linear)]["ms"]
-    assert again.choice(shape_key(linear), kernels) == [min(kernels, key=lambda k: ms[k][i]) for i in range(len(ROW_BUCKETS))]
-    assert again.choice(shape_key(linear), ["onednn"]) == ["onednn"] * len(ROW_BUCKETS)
-
-
-def test_dispatch_backend_keeps_greedy_equality_and_refuses_inexact_fp16(tmp_path, monkeypatch):
-    import cascade.models.zoo as zoo
-    from cascade import generate
-    from cascade.drafters import SmallLMDrafter
-    from cascade.models.cpu_kernels import DispatchLinear, KernelPlan, available_kernels, use_dispatch_linears
-
-    if not available_kernels():
-        pytest.skip("neither FBGEMM nor oneDNN")
-    monkeypatch.setattr(zoo, "cache_root", lambda: tmp_path)
-    lm = load_model("tiny:0", backend="dispatch")  # calibrates into tmp_path, logs the choice
-    assert isinstance(lm.model.lm_head, DispatchLinear) and list((tmp_path / "kernel_plans").glob("*.json"))
-    dense = load_model("tiny:0", backend="float32")
-    prompt = [5, 9, 2, 7, 7, 1]
-    torch.testing.assert_close(lm.forward(prompt, lm.new_cache()), dense.forward(prompt, dense.new_cache()), atol=1e-4, rtol=1e-4)
-    ar = generate(lm, prompt, max_new_tokens=16, stop_on_eos=False)
-    assert generate(lm, prompt, drafter=SmallLMDrafter(load_model("tiny:1", backend="dispatch"), k=4),
-                    max_new_tokens=16, stop_on_eos=False).tokens == ar.tokens
-    # a layer fp16 cannot hold is never given the fp16w kernel
-    linear = torch.nn.Linear(4, 2, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(torch.tensor([[1.0, 70000.0, 0.5, 0.25], [1.0, 2.0, 3.0, 4.0]]))
-    model = torch.nn.Sequential(linear)
-    plan = KernelPlan(tmp_path / "p.json", {"4x2": {"ms": {"fp16w": [0.0] * 8, "onednn": [1.0] * 8}}})
-    if "onednn" in available_kernels():
-        chosen = use_dispatch_linears(model, plan)
-        assert chosen == {"4x2 (fp32 only)": ["onednn"] * 8}
-    with pytest.raises(ValueError, match="onednn=True needs dtype float32"), pytest.warns(DeprecationWarning):
-        load_model("tiny:0", dtype="dispatch", onednn=True)
+def test_the_dispatch_backend_is_retired():
+    """Per-(shape, rows) dispatch between FBGEMM and oneDNN was used by no config and measured no
+    better than fp16w (docs/backends.md): it is not a backend any more, and naming it says so."""
+    with pytest.raises(ValueError, match="unknown backend 'dispatch'"):
+        load_model("tiny:0", "dispatch")
 
 
 def test_shared_models_load_one_copy_per_set_of_arguments():

@@ -10,8 +10,6 @@ Names (``BACKENDS``):
   row-invariant kernels (``cascade.models.native``), the lean forward (CPU).
 - ``fp16w``: the same weights through FBGEMM's fp16-weight GEMM (CPU; not row-invariant).
 - ``onednn``: fp32 weights, oneDNN linears (CPU).
-- ``dispatch``: per (shape, rows) the fastest exact kernel a calibration found (CPU;
-  ``cascade.models.cpu_kernels``).
 - ``float32``, ``float64``, ``bfloat16``, ``float16``: transformers' modules in that dtype.
 - quantized weight formats, for drafters: ``int8_dynamic``, ``int8_native``, ``int8_vnni``,
   ``int4_native``, ``int4_vnni`` (CPU, ``cascade.models.quantize``), ``nf4`` (CUDA, bitsandbytes).
@@ -35,7 +33,7 @@ log = logging.getLogger(__name__)
 class Backend:
     name: str  # a key of BACKENDS
     dtype: torch.dtype  # the dtype transformers loads the parameters in
-    linears: str | None  # what replaces nn.Linear: "native_fp16", "fbgemm_fp16", "onednn", "dispatch", a quantizer; None: torch's
+    linears: str | None  # what replaces nn.Linear: "native_fp16", "fbgemm_fp16", "onednn", a quantizer; None: torch's
     device: str | None = None  # the only device type it runs on (None: any)
 
     @property
@@ -51,7 +49,6 @@ BACKENDS: dict[str, Backend] = {
     "native": Backend("native", torch.float32, "native_fp16", "cpu"),
     "fp16w": Backend("fp16w", torch.float32, "fbgemm_fp16", "cpu"),
     "onednn": Backend("onednn", torch.float32, "onednn", "cpu"),
-    "dispatch": Backend("dispatch", torch.float32, "dispatch", "cpu"),
     **{str(d).removeprefix("torch."): Backend(str(d).removeprefix("torch."), d, None)
        for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)},
     **{q: Backend(q, torch.float32, q, "cpu") for q in QUANTIZED if q != "nf4"},

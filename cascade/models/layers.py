@@ -34,7 +34,7 @@ class DecoderParts:
 
 def dense_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The parameters of ``module`` as a dense module would hold them: any swapped linear child
-    (oneDNN, FBGEMM fp16 weights, dispatch) read back through its ``dense_state``."""
+    (oneDNN, FBGEMM fp16 weights) read back through its ``dense_state``."""
     if hasattr(module, "dense_state"):
         return module.dense_state()
     state = {k: v.detach() for k, v in module.named_parameters(recurse=False)}

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
-from cascade.models.backend import QUANTIZED, Backend, backend_named, cpu_has_native_bf16, from_legacy
-from cascade.models.cpu_kernels import ROW_BUCKETS, KernelPlan, use_dispatch_linears, use_fp16_weight_linears, use_onednn_linears
+from cascade.models.backend import QUANTIZED, Backend, backend_named, from_legacy
+from cascade.models.cpu_kernels import use_fp16_weight_linears, use_onednn_linears
 from cascade.models.devices import resolve_device
 from cascade.models.lean import attach_lean
 from cascade.models.lm import CausalLM
@@ -22,25 +22,6 @@ from cascade.models.quantize import bitsandbytes_config, dense_linears, quantize
 from cascade.models.tiny import tiny_bpe_tokenizer, tiny_llama
 
 log = logging.getLogger(__name__)
-
-
-def kernel_plan_path() -> Path:
-    """Where the per-(shape, rows) kernel calibration of this CPU is cached: keyed by the CPU
-    model, the thread count and the torch version (what the timings depend on), shared by every
-    model (a plan is per weight shape, not per model)."""
-    import re
-    from importlib.metadata import version
-
-    name = "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        name = m.group(1) if m else name
-    except OSError:
-        pass
-    name += "-bf16" if cpu_has_native_bf16() else ""
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
-    return zoo.cache_root() / "kernel_plans" / f"{slug}-t{torch.get_num_threads()}-torch{version('torch')}.json"
 
 
 def _from_pretrained(source: str | Path, dtype: torch.dtype, device: torch.device, **kwargs) -> CausalLM:
@@ -93,7 +74,7 @@ def load_model(
     with a 320-token byte-level BPE tokenizer of its own: a drafter from "another family").
 
     ``backend``: how the weights are held and multiplied, one of ``cascade.models.backend.BACKENDS``
-    (native, fp16w, onednn, dispatch, float32 / float64 / bfloat16 / float16, the quantized
+    (native, fp16w, onednn, float32 / float64 / bfloat16 / float16, the quantized
     formats for drafters), a torch dtype, or "auto" (:func:`cascade.models.backend.auto_backend`;
     "auto_quantized": the quantized format this CPU runs fastest). The loaded model's
     ``backend`` says which ran. ``dtype`` / ``onednn`` / ``quantize``: the retired way of saying
@@ -138,13 +119,6 @@ def apply_backend(lm: CausalLM, backend: Backend) -> None:
         return
     if kind == "onednn":
         use_onednn_linears(lm.model)
-    elif kind == "dispatch":
-        plan = KernelPlan.load(kernel_plan_path())
-        chosen = use_dispatch_linears(lm.model, plan, log=lambda key, ms: log.info("calibrated %s: %s ms", key, ms))
-        for key, choice in chosen.items():
-            log.info("%s: linear %s runs %s", lm.name, key,
-                     ", ".join(f"<={b} rows {k}" for b, k in zip(ROW_BUCKETS[:-1] + ("inf",), choice)))
-        log.info("kernel plan: %s", plan.path)
     elif kind in ("fbgemm_fp16", "native_fp16"):
         if kind == "fbgemm_fp16":
             swapped, kept = use_fp16_weight_linears(lm.model)

@@ -87,7 +87,7 @@ def quantize_native(model: torch.nn.Module, method: str) -> tuple[int, list[str]
 
 def dense_linears(model: torch.nn.Module) -> int:
     """Replace (in place) every swapped linear layer (a module with ``dense_state()``: fp16w,
-    oneDNN, native, dispatch) by the plain fp32 ``nn.Linear`` it holds, so that a quantizer sees
+    oneDNN, native) by the plain fp32 ``nn.Linear`` it holds, so that a quantizer sees
     the model's own weights. Returns the count."""
     count = 0
     for parent in list(model.modules()):
