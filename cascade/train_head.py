@@ -44,7 +44,7 @@ from cascade.models.checkpoints import load_checkpoint, save_checkpoint
 from cascade.models.draft_head import DraftHead, HeadLayout
 from cascade.models.eagle3 import Eagle3Head, default_layers
 from cascade.models.layers import decoder_parts, dense_weight
-from cascade.models.loading import cpu_has_native_bf16
+from cascade.models.backend import cpu_has_native_bf16
 from cascade.models.pruned_head import rank_by_frequency
 from cascade.models.zoo import cache_root
 from cascade.run import ConfigError, _output_dir
