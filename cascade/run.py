@@ -110,8 +110,10 @@ def check_reserve(prompts: list[Prompt], methods: dict[str, DictConfig]) -> None
     """Refuse to evaluate prompts a method's corpora hold (their suffixes, tables or head training
     text would inflate its speedup): the evaluation reserve (``cascade.data.RESERVED_*``) is the
     only place benchmark prompts may come from when a method reads a corpus."""
-    for name, mcfg in methods.items():
-        overlap = reserve_overlap(prompts, method_corpora(mcfg))
+    read = {name: method_corpora(mcfg) for name, mcfg in methods.items()}
+    found = reserve_overlap(prompts, [c for corpora in read.values() for c in corpora])  # each corpus searched once
+    for name, corpora in read.items():
+        overlap = {c: found[c] for c in corpora if c in found}
         if overlap:
             said = "; ".join(f"{c} holds {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''} ({len(ids)})"
                              for c, ids in overlap.items())

@@ -37,6 +37,16 @@ class ReadProbe:
     def read(self) -> None:
         self.x.sum()
 
+    def time_reads(self) -> tuple[float, float | None]:
+        """Seconds of one torch-sum read, then of one native streaming read (None without the
+        extension): one sample of each probe, back to back."""
+        t0 = time.perf_counter()
+        self.read()
+        t1 = time.perf_counter()
+        native = self.read_native()
+        t2 = time.perf_counter()
+        return t1 - t0, (t2 - t1) if native else None
+
     def read_native(self) -> bool:
         """One streaming read of the buffer; False where the native extension is unavailable."""
         from cascade.models.native import native_kernels
@@ -69,10 +79,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> Bandwidth:
     native, summed = [], []
     probe.read()  # warm-up (pages touched)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        probe.read()
-        summed.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        if probe.read_native():
-            native.append(time.perf_counter() - t0)
+        sum_s, native_s = probe.time_reads()
+        summed.append(sum_s)
+        if native_s is not None:
+            native.append(native_s)
     return Bandwidth(probe.nbytes / min(native) if native else None, probe.nbytes / statistics.median(summed))

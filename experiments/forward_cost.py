@@ -94,12 +94,10 @@ def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[
     probe_s, native_s = [], []
     for _ in range(repeats + 1):  # the first round is a warm-up
         if probe is not None:
-            t0 = time.perf_counter()
-            probe.read()
-            probe_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            if probe.read_native():
-                native_s.append(time.perf_counter() - t0)
+            sum_s, native = probe.time_reads()
+            probe_s.append(sum_s)
+            if native is not None:
+                native_s.append(native)
         for k in ks:
             for name, lm in lms.items():
                 t0 = time.perf_counter()

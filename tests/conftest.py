@@ -39,3 +39,18 @@ def _one_thread_per_xdist_worker():
     yield
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Any model load (the run's target, or a method's models through ``cascade.models``) fails the
+    test: what it checks must be refused before any model loads."""
+    import cascade.models
+    import cascade.models.loading
+    from cascade import run as run_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad input was found")
+
+    for module in (run_mod, cascade.models, cascade.models.loading):
+        monkeypatch.setattr(module, "load_model", refuse)

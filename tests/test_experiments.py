@@ -144,14 +144,6 @@ def test_rerun_into_same_directory_is_refused(tmp_path):
     assert (tmp_path / "summary.json").read_text() == before
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the config error was found")
-
-    monkeypatch.setattr(run_mod, "load_model", refuse)
-
-
 def test_unknown_experiment():
     with pytest.raises(HydraException, match="experiment/nope"):
         _cfg("+experiment=nope")

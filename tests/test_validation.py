@@ -19,18 +19,6 @@ def _cfg(*overrides):
         return compose(config_name="config", overrides=list(overrides))
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    import cascade.models
-    import cascade.models.loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the bad input was found")
-
-    for module in (run_mod, cascade.models, cascade.models.loading):
-        monkeypatch.setattr(module, "load_model", refuse)
-
-
 # (override, the key the error must name, the bad value as the error prints it)
 BAD = [
     ("sampling.temperature=nan", "sampling.temperature", "nan"),
