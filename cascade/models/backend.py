@@ -13,6 +13,10 @@ Names (``BACKENDS``):
 - ``float32``, ``float64``, ``bfloat16``, ``float16``: transformers' modules in that dtype.
 - quantized weight formats, for drafters: ``int8_dynamic``, ``int8_native``, ``int8_vnni``,
   ``int4_native``, ``int4_vnni`` (CPU, ``cascade.models.quantize``), ``nf4`` (CUDA, bitsandbytes).
+- ``gguf``: the model's GGUF file's own blocks (k-quants and the legacy formats), each weight
+  exactly as the ``gguf`` reference dequantizes it, fp32 arithmetic on cascade's row-invariant
+  kernels, the lean forward (CPU; ``cascade.models.gguf_weights``): a zoo model or a ``.gguf``
+  path.
 - ``auto``: bf16 on CUDA; on CPUs ``native`` where the extension builds, else ``fp16w``, else
   bf16 (native bf16 CPUs) or ``onednn`` (:func:`auto_backend`); for a quantized load ("auto"
   quantization) the format this CPU runs fastest (``cascade.models.quantize.resolve_method``).
@@ -53,6 +57,7 @@ BACKENDS: dict[str, Backend] = {
        for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)},
     **{q: Backend(q, torch.float32, q, "cpu") for q in QUANTIZED if q != "nf4"},
     "nf4": Backend("nf4", torch.bfloat16, "nf4", "cuda"),
+    "gguf": Backend("gguf", torch.float32, "gguf", "cpu"),
 }
 _ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16", "float": "float32",
             "double": "float64", "half": "float16"}

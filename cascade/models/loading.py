@@ -15,6 +15,7 @@ from cascade.models import zoo
 from cascade.models.backend import QUANTIZED, Backend, backend_named, from_legacy
 from cascade.models.cpu_kernels import use_fp16_weight_linears, use_onednn_linears
 from cascade.models.devices import resolve_device
+from cascade.models.gguf_weights import NativeGGUFLinear, use_gguf_weights
 from cascade.models.lean import attach_lean
 from cascade.models.lm import CausalLM
 from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
@@ -86,7 +87,11 @@ def load_model(
     key = (str(name_or_path), chosen.name, str(device))
     if _shared is not None and key in _shared:
         return _shared[key]
+    source_file = gguf_source(name_or_path) if chosen.linears == "gguf" else None  # checked before loading
     lm = _load(name_or_path, chosen, device)
+    if source_file is not None:
+        use_gguf_weights(lm.model, source_file)
+        attach_lean(lm)
     apply_backend(lm, chosen)
     if _shared is not None:
         _shared[key] = lm
@@ -117,6 +122,10 @@ def apply_backend(lm: CausalLM, backend: Backend) -> None:
     kind = backend.linears
     if kind is None or kind == "nf4":  # torch's modules (nf4: bitsandbytes quantized while loading)
         return
+    if kind == "gguf":  # the file's blocks, placed while loading (load_model): nothing to swap
+        if not any(isinstance(m, NativeGGUFLinear) for m in lm.model.modules()):
+            raise ValueError(f"backend 'gguf' is applied while loading from a GGUF file (load_model({lm.name!r}, backend='gguf'))")
+        return
     if kind == "onednn":
         use_onednn_linears(lm.model)
     elif kind in ("fbgemm_fp16", "native_fp16"):
@@ -139,6 +148,20 @@ def apply_backend(lm: CausalLM, backend: Backend) -> None:
         attach_lean(lm)
     if backend.quantized:
         lm.name = f"{lm.name}[{backend.name}]"
+
+
+def gguf_source(name_or_path: str | Path) -> Path:
+    """The GGUF file backend 'gguf' reads for ``name_or_path``: a zoo model's (fetched), or the
+    path itself."""
+    text = str(name_or_path)
+    if text in zoo.ZOO:
+        return zoo.fetch_gguf(text)
+    path = Path(text).expanduser()
+    if text.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return path
+    raise ValueError(f"backend 'gguf' needs a zoo model ({', '.join(sorted(zoo.ZOO))}) or a .gguf file, got {text!r}")
 
 
 def _load(name_or_path: str | Path, backend: Backend, device: torch.device) -> CausalLM:

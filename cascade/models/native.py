@@ -201,6 +201,11 @@ class NativeLinear(nn.Module):
         fields.update(kind=self.KIND, N=self.out_features, bias=self.bias, group=getattr(self, "group", 0))
         return fields
 
+    def join_key(self) -> tuple:
+        """Layers with equal keys can run as one op side by side (:func:`side_by_side`): the same
+        kernel, input width, int4 group and bias presence."""
+        return type(self), self.in_features, getattr(self, "group", 0), self.bias is None
+
     def op(self, **side_by_side):
         """This layer as the extension's ``LinearOp`` (the same kernel and tensors as
         ``_matmul``), for the lean forward's two-call layer; made on demand, not held, so that
@@ -363,9 +368,7 @@ def side_by_side(linears: list[NativeLinear]):
     cannot be joined: different kernels, inputs, groups or bias presence, or a layer before the
     last whose width is not a whole number of panels."""
     first = linears[0]
-    if (len({type(m) for m in linears}) != 1 or len({m.in_features for m in linears}) != 1
-            or len({getattr(m, "group", 0) for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1
-            or any(m.out_features % PANEL for m in linears[:-1])):
+    if len({m.join_key() for m in linears}) != 1 or any(m.out_features % PANEL for m in linears[:-1]):
         return None
     joined: dict[str, torch.Tensor | None] = {}
     for arg, attr in first.PANEL_TENSORS.items():

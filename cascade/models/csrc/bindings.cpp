@@ -9,7 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LinearOp>(m, "LinearOp", "a native linear layer as layer_qkv / layer_rest run it")
       .def(py::init([](int64_t kind, torch::Tensor packed, c10::optional<torch::Tensor> scale,
                        c10::optional<torch::Tensor> colsum, int64_t group, int64_t N, c10::optional<torch::Tensor> bias) {
-             TORCH_CHECK(kind >= LinearOp::fp16 && kind <= LinearOp::int4_vnni, "unknown LinearOp kind ", kind);
+             TORCH_CHECK(kind >= LinearOp::fp16 && kind <= LinearOp::gguf, "unknown LinearOp kind ", kind);
              return LinearOp{kind, packed, scale ? *scale : torch::Tensor(), colsum ? *colsum : torch::Tensor(), group, N, bias};
            }),
            py::arg("kind"), py::arg("packed"), py::arg("scale") = py::none(), py::arg("colsum") = py::none(),
@@ -54,6 +54,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("group"), py::arg("N"), py::arg("bias") = py::none());
   m.def("linear_int8_vnni", &linear_int8_vnni, "y = (xq @ Q^T) * sx * scale (+ bias), activations quantized per row",
         py::arg("x"), py::arg("packed"), py::arg("colsum"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("linear_gguf", &linear_gguf, "y = x @ W^T (+ bias), W a GGUF file's blocks [N, K / QK * bytes] of type qtype, "
+        "each weight dequantized exactly as the gguf reference, fp32 sums", py::arg("x"), py::arg("blocks"), py::arg("qtype"),
+        py::arg("n"), py::arg("bias") = py::none());
+  m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF block tensor as fp32 (the kernel's decode; reference=True: "
+        "the scalar decode)", py::arg("blocks"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none(),
+        py::arg("reference") = false);
+  m.def("gguf_block_weights", &gguf_block_weights, "weights per block of a ggml type", py::arg("qtype"));
+  m.def("gguf_block_bytes", &gguf_block_bytes, "bytes per block of a ggml type", py::arg("qtype"));
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)); lanes 16 / 8: ATen's "
         "vector width (bitwise its result), 0: ATen's operations", py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::arg("lanes") = 0);

@@ -21,6 +21,14 @@ torch::Tensor linear_int8_vnni(const torch::Tensor& x, const torch::Tensor& pack
 torch::Tensor linear_int4_vnni(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                int64_t group, int64_t N, const c10::optional<torch::Tensor>& bias);
 std::string int8_dot_isa();
+// gguf.cpp: W held as a GGUF file's blocks ([N, K / QK * bytes] uint8), each weight dequantized
+// exactly as the reference does, fp32 sums
+torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
+                          const c10::optional<torch::Tensor>& bias);
+torch::Tensor dequantize_gguf(const torch::Tensor& blocks, int64_t qtype, int64_t K, const c10::optional<torch::Tensor>& rows,
+                              bool reference);
+int64_t gguf_block_weights(int64_t qtype);
+int64_t gguf_block_bytes(int64_t qtype);
 // attention.cpp
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask, double scaling);
@@ -44,10 +52,10 @@ struct NormOp {
 // A native linear layer as these calls run it: which kernel, and the tensors it reads (shared
 // with the Python module that made it; nothing is copied).
 struct LinearOp {
-  enum Kind { fp16 = 0, int8 = 1, int8_vnni = 2, int4 = 3, int4_vnni = 4 };
+  enum Kind { fp16 = 0, int8 = 1, int8_vnni = 2, int4 = 3, int4_vnni = 4, gguf = 5 };
   int64_t kind;
   torch::Tensor packed, scale, colsum;  // scale: int8 [P*32] / int4 scales [P, K/G, 32]; colsum: int8_vnni
-  int64_t group, N;
+  int64_t group, N;  // group: int4's group size; gguf: the ggml block type
   c10::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -57,6 +65,7 @@ struct LinearOp {
       case int8_vnni: return linear_int8_vnni(x, packed, colsum, scale, N, bias);
       case int4: return linear_int4(x, packed, scale, group, N, bias);
       case int4_vnni: return linear_int4_vnni(x, packed, scale, group, N, bias);
+      case gguf: return linear_gguf(x, packed, group, N, bias);
     }
     TORCH_CHECK(false, "unknown LinearOp kind ", kind);
   }

@@ -1,0 +1,208 @@
+"""The gguf backend: GGUF block formats on native kernels (csrc/gguf.cpp), weights bitwise the
+`gguf` package's reference dequantization, fp32 sums within their bound, row-invariant; tiny
+GGUF files through the lean forward, equal to a float64 model of the reference weights, and
+every method's greedy output equal to autoregressive decoding on them."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from cascade import generate
+from cascade.models.native import fp32_sum_bound, native_kernels
+
+from gguf_files import K_QUANTS, LEGACY, LINEARS, _permute, random_blocks, tiny_gguf_target
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="cascade's native kernels do not build here")
+FORMATS = [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
+
+
+def _ext():
+    return native_kernels()
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel_decode", "scalar_decode"])
+def test_weights_are_bitwise_the_gguf_reference(qtype, reference):
+    rng = np.random.default_rng(int(qtype))
+    k = 2 * gguf.GGML_QUANT_SIZES[qtype][0] * (4 if qtype in (T.Q4_1, T.Q5_0, T.Q8_0) else 1)
+    blocks = random_blocks(qtype, 41, k, rng)
+    expected = gguf.quants.dequantize(blocks, qtype)
+    got = _ext().dequantize_gguf(torch.from_numpy(blocks), int(qtype), k, reference=reference).numpy()
+    assert np.array_equal(_bits(got), _bits(expected))
+    rows = torch.tensor([40, 0, 7, 7])  # a row subset, repeated, out of order (the embedding's lookup)
+    sub = _ext().dequantize_gguf(torch.from_numpy(blocks), int(qtype), k, rows=rows, reference=reference).numpy()
+    assert np.array_equal(_bits(sub), _bits(expected[rows.numpy()]))
+
+
+def test_every_fp16_scale_converts_exactly():
+    """Q8_0 blocks whose scale runs through every finite fp16 (subnormals, zeros of both signs)
+    with codes -128, -1, 1, 127: the decode's fp16 conversion is exact."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]
+    blocks = np.zeros((len(halves), 34), dtype=np.uint8)
+    blocks[:, :2] = halves.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = np.array([-128, -1, 1, 127] * 8, dtype=np.int8).view(np.uint8)
+    expected = gguf.quants.dequantize(blocks, T.Q8_0)
+    for reference in (False, True):
+        got = _ext().dequantize_gguf(torch.from_numpy(blocks), int(T.Q8_0), 32, reference=reference).numpy()
+        assert np.array_equal(_bits(got), _bits(expected))
+
+
+def _shape(qtype):
+    qk = gguf.GGML_QUANT_SIZES[qtype][0]
+    return (3 * qk if qk == 256 else 7 * qk), 37  # K (odd count of blocks), N (odd)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_products_within_the_fp32_bound_and_row_invariant(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    k, n = _shape(qtype)
+    blocks = random_blocks(qtype, n, k, rng)
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).double()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(32, k, generator=torch.Generator().manual_seed(2))
+    y = _ext().linear_gguf(x, torch.from_numpy(blocks), int(qtype), n, bias)
+    exact = x.double() @ w.T + bias.double()
+    bound = fp32_sum_bound(k + 1) * ((x.double().abs() @ w.abs().T) + bias.double().abs())
+    assert ((y.double() - exact).abs() <= bound).all()
+    for m in range(1, 33):  # row i of an m-row call is bitwise the 1-row call
+        part = _ext().linear_gguf(x[:m], torch.from_numpy(blocks), int(qtype), n, bias)
+        assert torch.equal(part, y[:m]), m
+    wide = torch.zeros(6, k + 5)  # rows k + 5 apart: read through the row stride
+    wide[:, :k] = x[3:9]
+    assert torch.equal(_ext().linear_gguf(wide[:, :k], torch.from_numpy(blocks), int(qtype), n, bias), y[3:9])
+
+
+def test_errors_name_the_problem():
+    blocks = torch.zeros(4, 34, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="block type 10 has no native kernel"):
+        _ext().linear_gguf(torch.zeros(1, 32), blocks, 10, 4)
+    with pytest.raises(RuntimeError, match="a row of K = 64 weights is 68 bytes"):
+        _ext().linear_gguf(torch.zeros(1, 64), blocks, int(T.Q8_0), 4)
+    with pytest.raises(RuntimeError, match="not a whole number of 256-weight blocks"):
+        _ext().linear_gguf(torch.zeros(1, 32), blocks, int(T.Q4_K), 4)
+    with pytest.raises(RuntimeError, match="x must be Float"):
+        _ext().linear_gguf(torch.zeros(1, 32, dtype=torch.float64), blocks, int(T.Q8_0), 4)
+    with pytest.raises(RuntimeError, match="outside"):
+        _ext().dequantize_gguf(blocks, int(T.Q8_0), 32, rows=torch.tensor([4]))
+
+
+# ---- tiny GGUF models ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["legacy", "k_quants"])
+def tiny_gguf(request, tmp_path_factory):
+    types, hidden = (LEGACY, 64) if request.param == "legacy" else (K_QUANTS, 256)
+    return tiny_gguf_target(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", types, hidden)
+
+
+def _reference_model(lm, file):
+    """A float64 copy of the tiny model holding the file's reference-dequantized weights (q / k
+    rows put back in the model's order by the writer's permutation, inverted here)."""
+    from cascade.models import tiny_llama
+
+    config = lm.model.config
+    ref = tiny_llama(vocab_size=256, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers, seed=0,
+                     dtype=torch.float64)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
+
+    def dense(name, heads=None):
+        t = tensors[name]
+        w = gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(-1, int(t.shape[0]))
+        if heads is not None:
+            order = _permute(np.arange(w.shape[0])[:, None], heads)[:, 0]  # file row r holds model row order[r]
+            out = np.empty_like(w)
+            out[order] = w
+            w = out
+        return torch.from_numpy(w.astype(np.float64))
+
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.model.layers):
+            for short, module in LINEARS.items():
+                heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(short)
+                layer.get_submodule(module).weight.copy_(dense(f"blk.{i}.{short}.weight", heads))
+            layer.input_layernorm.weight.copy_(dense(f"blk.{i}.attn_norm.weight").reshape(-1))
+            layer.post_attention_layernorm.weight.copy_(dense(f"blk.{i}.ffn_norm.weight").reshape(-1))
+        ref.model.model.norm.weight.copy_(dense("output_norm.weight").reshape(-1))
+        ref.model.model.embed_tokens.weight.copy_(dense("token_embd.weight"))
+        ref.model.lm_head.weight.copy_(dense("output.weight"))
+    return ref
+
+
+def test_tiny_gguf_logits_match_the_reference_weights(tiny_gguf):
+    from cascade.models.gguf_weights import NativeGGUFLinear
+    from cascade.models.lean import LeanDecoder
+
+    lm, file = tiny_gguf
+    assert isinstance(lm.lean, LeanDecoder)
+    assert isinstance(lm.model.lm_head, NativeGGUFLinear)
+    ids = torch.tensor([[3, 17, 99, 4, 250, 8, 8, 1]])
+    ours = lm.model(ids).logits.double()
+    ref = _reference_model(lm, file).model(ids).logits
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4), (ours - ref).abs().max()
+
+
+def test_every_method_is_greedy_autoregressive_on_a_gguf_target(tiny_gguf):
+    from golden import tiny_methods
+
+    from cascade.models import perturbed_copy
+
+    lm, _ = tiny_gguf
+    close = perturbed_copy(_reference_model(lm, tiny_gguf[1]), noise=0.02, seed=1)
+    prompt = [1, 2, 3, 4, 5, 6]
+    ar = generate(lm, prompt, max_new_tokens=24, stop_on_eos=False).tokens
+    for name, make in tiny_methods(lm, close).items():
+        assert generate(lm, prompt, drafter=make(), max_new_tokens=24, stop_on_eos=False).tokens == ar, name
+
+
+def test_the_file_and_the_model_must_match(tmp_path):
+    from cascade.models import tiny_llama
+    from cascade.models.gguf_weights import use_gguf_weights
+
+    _, file = tiny_gguf_target(tmp_path / "t.gguf", LEGACY, 64)
+    other = tiny_llama(vocab_size=256, hidden_size=64, num_layers=5, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="no tensor 'blk.4.attn_q.weight'"):
+        use_gguf_weights(other.model, file)
+    with pytest.raises(ValueError, match="needs a zoo model"):
+        from cascade.models import load_model
+
+        load_model("tiny:0", backend="gguf")
+
+
+# ---- a real file ----------------------------------------------------------------------------------
+
+@pytest.mark.real
+def test_smollm2_file_on_the_gguf_backend():
+    """SmolLM2-135M's own Q4_1 / Q8_0 file (a Llama: q / k rows permuted in the file, the LM head
+    tied to the embedding): every linear's weights equal transformers' load of the same file
+    to the bf16 copy's rounding, and greedy speculative output equals autoregressive output
+    exactly (no near-tie allowance: the kernels are row-invariant)."""
+    from cascade.data import BUILTIN, encode_prompt
+    from cascade.drafters import NGramDrafter, SmallLMDrafter
+    from cascade.models import load_model
+    from cascade.models.gguf_weights import NativeGGUFLinear
+
+    target = load_model("smollm2-135m", backend="gguf")
+    assert target.backend.name == "gguf"
+    copy = load_model("smollm2-135m", backend="float32")
+    ours = dict(target.model.named_modules())
+    checked = 0
+    for name, module in copy.model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            assert isinstance(ours[name], NativeGGUFLinear), name
+            w, w16 = ours[name].dense_weight(), module.weight.detach()
+            assert torch.equal(w.bfloat16().float(), w16), name  # the bf16 copy is these weights rounded
+            checked += 1
+    assert checked == 30 * 7 + 1
+    drafter_lm = load_model("smollm2-135m", backend="bfloat16")
+    for drafter in (SmallLMDrafter(drafter_lm, k=4), NGramDrafter(k=6, max_ngram=3)):
+        for prompt in BUILTIN[:3]:
+            ids = encode_prompt(target, prompt.text)
+            assert generate(target, ids, drafter=drafter, max_new_tokens=24).tokens == generate(target, ids, max_new_tokens=24).tokens
