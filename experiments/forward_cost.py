@@ -113,6 +113,14 @@ def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[
                             probe.nbytes / statistics.median(probe_s[1:]))
 
 
+def gguf_linear_bytes(lm) -> int:
+    """Bytes of the GGUF blocks the model's linear layers read per forward (the embedding's,
+    read one row per token, not counted)."""
+    from cascade.models.gguf_weights import NativeGGUFLinear
+
+    return sum(m.blocks.numel() for m in lm.model.modules() if isinstance(m, NativeGGUFLinear))
+
+
 def native_linears(lm) -> list:
     """The model's native linear modules in the order its forward calls them (LM head last);
     empty for a backend on other kernels."""
@@ -230,7 +238,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", default="bf16,fp16w,native,native_hf,int8",
                     help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, native, native_ops, native_hf, int8, int8n, int8v, "
-                         "int4n, int4v, int4v_ops (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
+                         "int4n, int4v, int4v_ops, gguf (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prefill timed per backend (0: skip)")
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
                     help="skip measuring bandwidth and peak FLOP/s (about 10 s and 1 GiB of memory)")
@@ -243,7 +251,7 @@ def main() -> None:
              "native_hf": dict(backend="native", lean=False), "native_ops": dict(backend="native", lean="ops"),
              "int8": dict(backend="int8_dynamic"), "int8n": dict(backend="int8_native"), "int8v": dict(backend="int8_vnni"),
              "int4n": dict(backend="int4_native"), "int4v": dict(backend="int4_vnni"),
-             "int4v_ops": dict(backend="int4_vnni", lean="ops")}
+             "int4v_ops": dict(backend="int4_vnni", lean="ops"), "gguf": dict(backend="gguf")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':16s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
@@ -257,6 +265,10 @@ def main() -> None:
             lms[name].use_forward(None)
         elif lean == "ops":  # the lean forward one Python call per operation: what the two-call layers save
             lms[name].use_forward(LeanDecoder(lms[name].model, fused_layers=False))
+        if name == "gguf":  # the file's own bytes per weight (its formats' mix)
+            BYTES_PER_WEIGHT[name] = gguf_linear_bytes(lms[name]) / linear_params(lms[name])
+            print(f"gguf: the linears hold {gguf_linear_bytes(lms[name]) / 1e9:.3f} GB of the file's blocks "
+                  f"({BYTES_PER_WEIGHT[name]:.3f} bytes per weight)")
     first = next(iter(lms.values()))
     params = linear_params(first)
     head = first.model.get_output_embeddings()
@@ -291,7 +303,8 @@ def bytes_per_weight(row: str) -> float:
     return BYTES_PER_WEIGHT.get(row.removesuffix(LINEARS), 2)
 
 
-EXACT = ("fp32", "fp32+oneDNN", "fp16w", "native", "native_ops", "native_hf")  # fp32 arithmetic on the checkpoint's own weights
+# fp32 arithmetic on the checkpoint's own weights (gguf: on the file's, each exactly the reference's)
+EXACT = ("fp32", "fp32+oneDNN", "fp16w", "native", "native_ops", "native_hf", "gguf")
 
 
 def print_roofline(ks: list[int], all_times: dict[str, dict[int, float]], measured: Bandwidth, params: int,

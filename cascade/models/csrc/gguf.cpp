@@ -153,28 +153,39 @@ struct Q4_K {
       for (int i = 0; i < 32; ++i) w[32 * j + i] = scale * static_cast<float>((q[i] >> (4 * (j % 2))) & 0xF) - offset;
     }
   }
+  // The 8 scales d * sc and 8 offsets dmin * m as one 16-lane product (llama.cpp's unpacking of
+  // the 6-bit fields: sc in bytes 0-7, m in bytes 8-15 of u), each a single fp32 rounding as in
+  // the reference.
   struct Prep {
-    __m512 table[8];
+    alignas(64) float scale_offset[16];
   };
-  __attribute__((target("avx512f"))) static Prep prepare(const uint8_t* b, __m512 iota) {
-    const float d = f16_at(b), dmin = f16_at(b + 2);
+  __attribute__((target("avx512f"))) static Prep prepare(const uint8_t* b, __m512) {
+    uint32_t u[4];
+    std::memcpy(u, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+    const uint32_t m_low = u[1] & low6;
+    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+    u[2] = m_low;
+    u[0] &= low6;
+    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u))));
+    const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b)), _mm512_set1_ps(f16_at(b + 2)));
     Prep p;
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      scales(b + 4, j, sc, mn);
-      p.table[j] = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc)), iota),
-                                 _mm512_set1_ps(dmin * static_cast<float>(mn)));
-    }
+    _mm512_store_ps(p.scale_offset, _mm512_mul_ps(d, fields));
     return p;
   }
   __attribute__((target("avx512f"))) static void group(const uint8_t* b, const Prep& p, int g, __m512* w) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(p.scale_offset[2 * g]), iota), _mm512_set1_ps(p.scale_offset[8 + 2 * g]));
+    const __m512 t1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(p.scale_offset[2 * g + 1]), iota),
+                                    _mm512_set1_ps(p.scale_offset[9 + 2 * g]));
     const uint8_t* q = b + 16 + 32 * g;
     const __m512i c0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     const __m512i c1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
-    w[0] = _mm512_permutexvar_ps(c0, p.table[2 * g]);
-    w[1] = _mm512_permutexvar_ps(c1, p.table[2 * g]);
-    w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), p.table[2 * g + 1]);
-    w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), p.table[2 * g + 1]);
+    w[0] = _mm512_permutexvar_ps(c0, t0);
+    w[1] = _mm512_permutexvar_ps(c1, t0);
+    w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(c0, 4), t1);
+    w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(c1, 4), t1);
   }
 };
 
@@ -182,7 +193,7 @@ struct Q4_K {
 // Weight h * 128 + t * 32 + i (h < 2, t < 4, i < 32): low bits from ql[64 h + 32 (t & 1) + i]
 // (nibble t >> 1), high bits from qh[32 h + i] (bits 2t, 2t + 1); w = (d * scale) * (q - 32).
 struct Q6_K {
-  static constexpr int QK = 256, BYTES = 210, GW = 32;
+  static constexpr int QK = 256, BYTES = 210, GW = 128;
   static void decode(const uint8_t* b, float* w) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -196,28 +207,31 @@ struct Q6_K {
         }
   }
   struct Prep {
-    float scale[16];
+    alignas(64) float scale[16];
   };
   __attribute__((target("avx512f"))) static Prep prepare(const uint8_t* b, __m512) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    const float d = f16_at(b + 208);
     Prep p;
-    for (int j = 0; j < 16; ++j) p.scale[j] = d * static_cast<float>(sc[j]);
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+    _mm512_store_ps(p.scale, _mm512_mul_ps(_mm512_set1_ps(f16_at(b + 208)), sc));
     return p;
   }
-  __attribute__((target("avx512f"))) static void group(const uint8_t* b, const Prep& p, int g, __m512* w) {
-    const int h = g / 4, t = g % 4;
+  // Half h = g: weights 128 h + 32 t + 16 v + i as w[2 t + v].
+  __attribute__((target("avx512f"))) static void group(const uint8_t* b, const Prep& p, int h, __m512* w) {
+    const __m512i low4 = _mm512_set1_epi32(0xF), bits45 = _mm512_set1_epi32(0x30);
+    const __m512 bias = _mm512_set1_ps(32.0f);
     for (int v = 0; v < 2; ++v) {
-      const __m512i low = _mm512_and_si512(
-          _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + 32 * (t & 1) + 16 * v))),
-                           _mm_cvtsi32_si128(4 * (t >> 1))),
-          _mm512_set1_epi32(0xF));
-      const __m512i high = _mm512_and_si512(
-          _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + 16 * v))),
-                           _mm_cvtsi32_si128(2 * t)),
-          _mm512_set1_epi32(3));
-      const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
-      w[v] = _mm512_mul_ps(_mm512_set1_ps(p.scale[(128 * h + 32 * t + 16 * v) / 16]), _mm512_cvtepi32_ps(q));
+      const __m512i qh = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + 16 * v)));
+      const __m512i high[4] = {_mm512_slli_epi32(qh, 4), _mm512_slli_epi32(qh, 2), qh, _mm512_srli_epi32(qh, 2)};
+      for (int half = 0; half < 2; ++half) {  // t = half (low nibbles), t = half + 2 (high nibbles) share ql's bytes
+        const __m512i ql = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + 32 * half + 16 * v)));
+        const __m512i lows[2] = {_mm512_and_si512(ql, low4), _mm512_srli_epi32(ql, 4)};
+        for (int nib = 0; nib < 2; ++nib) {
+          const int t = half + 2 * nib;
+          // q = low | (high & 0x30): vpternlogd with the mask (A | (B & C))
+          const __m512i q = _mm512_ternarylogic_epi32(lows[nib], high[t], bits45, 0xF8);
+          w[2 * t + v] = _mm512_mul_ps(_mm512_set1_ps(p.scale[8 * h + 2 * t + v]), _mm512_sub_ps(_mm512_cvtepi32_ps(q), bias));
+        }
+      }
     }
   }
 };
@@ -239,7 +253,7 @@ __attribute__((target("avx512f"))) void gguf_rows_avx512(const float* x, int64_t
   for (int64_t blk = 0; blk < K / F::QK; ++blk) {
     for (int r = 0; r < NR; ++r) {
       const uint8_t* b = w + r * row_bytes + blk * F::BYTES;
-      prefetch_ahead(b);
+      for (int line = 0; line < F::BYTES; line += 64) prefetch_ahead(b + line);
       const typename F::Prep p = F::prepare(b, iota);
       for (int g = 0; g < F::QK / F::GW; ++g) {
         __m512 wv[V];
