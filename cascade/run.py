@@ -52,6 +52,7 @@ from cascade.models import load_model
 from cascade.models.loading import shared_models
 from cascade.models.native import native_kernels, unavailable_reason
 from cascade.provenance import code_state, cpu_identity, linear_kernels
+from cascade.llamacpp import LlamaCppGenerate
 from cascade.summary import Environment, MethodSummary, RunSummary
 from cascade.types import DrafterInfo, SamplingConfig
 from cascade.validation import config_errors
@@ -272,6 +273,7 @@ def run(cfg: DictConfig) -> RunSummary:
         target = load_model(m.target, m.backend, m.device)
         methods = {name: build_method(mcfg, verify_rule(cfg, mcfg)) for name, mcfg in method_configs(cfg).items()}
     env = _environment(target, list(loaded.values()))  # before decoding: the code and kernels the numbers come from
+    env.peers = {name: method.info for name, method in methods.items() if isinstance(method, LlamaCppGenerate)}
     prompts = [encode(target, p, ds.chat_template) for p in prompt_set]
     log.info("%d prompts, methods %s, target %s", len(prompts), list(methods), m.target)
 

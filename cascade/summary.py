@@ -180,6 +180,7 @@ class Environment:
     native_unavailable: str | None = None  # why the native kernels are not used, when they are not
     target_kernels: dict[str, int] = field(default_factory=dict)  # the target's linear layers per kernel class
     backends: dict[str, str] = field(default_factory=dict)  # every model the run loaded -> its Backend's name
+    peers: dict[str, str] = field(default_factory=dict)  # a method run by another program (llama.cpp) -> its version and build
 
     def header(self) -> str:
         """One line: the code, the CPU, the backends and kernels that made the numbers (the run
@@ -188,8 +189,9 @@ class Environment:
         isa = ", ".join(f"{k} {v}" for k, v in self.native_isa.items()) or f"native unavailable: {self.native_unavailable}"
         kernels = ", ".join(f"{k} x{v}" for k, v in self.target_kernels.items())
         backends = ", ".join(f"{name} {b}" for name, b in self.backends.items())
+        peers = "".join(f" | {name}: {info}" for name, info in self.peers.items())
         return (f"# commit {commit} | {self.cpu} (family {self.cpu_family} model {self.cpu_model}) | {self.threads} threads | "
-                f"{isa} | backends: {backends} | target linears: {kernels} | torch {self.torch}")
+                f"{isa} | backends: {backends} | target linears: {kernels} | torch {self.torch}{peers}")
 
 
 @dataclass

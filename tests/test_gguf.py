@@ -206,3 +206,11 @@ def test_smollm2_file_on_the_gguf_backend():
         for prompt in BUILTIN[:3]:
             ids = encode_prompt(target, prompt.text)
             assert generate(target, ids, drafter=drafter, max_new_tokens=24).tokens == generate(target, ids, max_new_tokens=24).tokens
+
+
+def test_llamacpp_methods_say_how_to_build_the_server(monkeypatch, tmp_path):
+    from cascade.llamacpp import LlamaCppGenerate, LlamaCppUnavailable
+
+    monkeypatch.setenv("CASCADE_LLAMA_SERVER", str(tmp_path / "missing" / "llama-server"))
+    with pytest.raises(LlamaCppUnavailable, match="scripts/build_llamacpp.sh"):
+        LlamaCppGenerate("qwen2.5-coder-1.5b")
