@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backends", default="bf16,fp16w,native,native_hf,int8",
                     help="comma list of: bf16, fp32, fp32+oneDNN, fp16w, native, native_ops, native_hf, int8, int8n, int8v, "
-                         "int4n, int4v, int4v_ops, gguf (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
+                         "int4n, int4v, int4v_ops, gguf, gguf_q8 (all are loaded at once: the 1.5B takes 3-6 GB per 16/32-bit backend)")
     ap.add_argument("--prefill", type=int, default=256, help="tokens of the prefill timed per backend (0: skip)")
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
                     help="skip measuring bandwidth and peak FLOP/s (about 10 s and 1 GiB of memory)")
@@ -251,7 +251,7 @@ def main() -> None:
              "native_hf": dict(backend="native", lean=False), "native_ops": dict(backend="native", lean="ops"),
              "int8": dict(backend="int8_dynamic"), "int8n": dict(backend="int8_native"), "int8v": dict(backend="int8_vnni"),
              "int4n": dict(backend="int4_native"), "int4v": dict(backend="int4_vnni"),
-             "int4v_ops": dict(backend="int4_vnni", lean="ops"), "gguf": dict(backend="gguf")}
+             "int4v_ops": dict(backend="int4_vnni", lean="ops"), "gguf": dict(backend="gguf"), "gguf_q8": dict(backend="gguf_q8")}
     backends = {b: known[b] for b in args.backends.split(",")}
     print(f"{args.model}, {args.threads} threads, median of {args.repeats}; ms per forward (ratio to k=1)")
     print(f"{'backend':16s} " + " ".join(f"{'k=' + str(k):>14s}" for k in ks))
@@ -265,7 +265,7 @@ def main() -> None:
             lms[name].use_forward(None)
         elif lean == "ops":  # the lean forward one Python call per operation: what the two-call layers save
             lms[name].use_forward(LeanDecoder(lms[name].model, fused_layers=False))
-        if name == "gguf":  # the file's own bytes per weight (its formats' mix)
+        if name in ("gguf", "gguf_q8"):  # the file's own bytes per weight (its formats' mix)
             BYTES_PER_WEIGHT[name] = gguf_linear_bytes(lms[name]) / linear_params(lms[name])
             print(f"gguf: the linears hold {gguf_linear_bytes(lms[name]) / 1e9:.3f} GB of the file's blocks "
                   f"({BYTES_PER_WEIGHT[name]:.3f} bytes per weight)")

@@ -214,3 +214,76 @@ def test_llamacpp_methods_say_how_to_build_the_server(monkeypatch, tmp_path):
     monkeypatch.setenv("CASCADE_LLAMA_SERVER", str(tmp_path / "missing" / "llama-server"))
     with pytest.raises(LlamaCppUnavailable, match="scripts/build_llamacpp.sh"):
         LlamaCppGenerate("qwen2.5-coder-1.5b")
+
+
+# ---- int8 activations (gguf_q8) -------------------------------------------------------------------
+
+def _q8_reference(x: np.ndarray, blocks: np.ndarray, qtype, bias: np.ndarray | None) -> np.ndarray:
+    """The gguf_q8 arithmetic written from its definition (csrc/gguf_q8.cpp's header) with the
+    gguf package's block layouts: activations per 256 to int8, integer sums, then fp32 products
+    and differences one operation at a time, blocks summed in order."""
+    f32 = np.float32
+    m_rows, k = x.shape
+    n = blocks.shape[0]
+    nb = k // 256
+    per_block = blocks.reshape(n, nb, -1)
+    y = np.zeros((m_rows, n), dtype=f32)
+    for m in range(m_rows):
+        acc = np.zeros(n, dtype=f32)
+        for b in range(nb):
+            xb = x[m, 256 * b:256 * (b + 1)].astype(f32)
+            amax = f32(np.max(np.abs(xb)))
+            if amax == 0:
+                xq, dx = np.zeros(256, dtype=np.int64), f32(0)
+            else:
+                inv, dx = f32(127) / amax, amax / f32(127)
+                xq = np.clip(np.rint(xb * inv), -127, 127).astype(np.int64)
+            blk = per_block[:, b]
+            if qtype == T.Q4_K:
+                d = blk[:, 0:2].copy().view(np.float16).astype(f32)[:, 0]
+                dmin = blk[:, 2:4].copy().view(np.float16).astype(f32)[:, 0]
+                sc, mn = gguf.quants.Q4_K.get_scale_min(blk[:, 4:16].copy())
+                qs = blk[:, 16:].reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+                codes = (qs & 0xF).reshape(n, 8, 32).astype(np.int64)
+                dots = (codes * xq.reshape(1, 8, 32)).sum(-1)  # [n, 8]
+                big_i = (sc.astype(np.int64) * dots).sum(-1)
+                big_m = (mn.astype(np.int64) * xq.reshape(8, 32).sum(-1)).sum(-1)
+                t1 = (d * dx) * big_i.astype(f32)
+                t2 = (dmin * dx) * big_m.astype(f32)
+                acc = acc + (t1 - t2)
+            else:
+                ql, qh = blk[:, :128], blk[:, 128:192]
+                sc = blk[:, 192:208].copy().view(np.int8).astype(np.int64)
+                d = blk[:, 208:210].copy().view(np.float16).astype(f32)[:, 0]
+                low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0xF
+                high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+                codes = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).reshape(n, 16, 16).astype(np.int64)
+                dots = (codes * xq.reshape(1, 16, 16)).sum(-1) - 32 * xq.reshape(16, 16).sum(-1)
+                big_i = (sc * dots).sum(-1)
+                acc = acc + (d * dx) * big_i.astype(f32)
+        y[m] = acc if bias is None else acc + bias
+    return y
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("reference", [False, True], ids=["vector", "scalar"])
+def test_int8_activation_kernel_is_bitwise_its_integer_reference(qtype, reference):
+    rng = np.random.default_rng(7 + int(qtype))
+    k, n = 3 * 256, 37
+    blocks = random_blocks(qtype, n, k, rng)
+    x = rng.normal(0, 1, size=(32, k)).astype(np.float32)
+    x[5, :256] = 0.0  # an all-zero block
+    bias = rng.normal(0, 1, size=n).astype(np.float32)
+    y = _ext().linear_gguf_q8(torch.from_numpy(x), torch.from_numpy(blocks), int(qtype), n, torch.from_numpy(bias),
+                              reference=reference).numpy()
+    assert np.array_equal(_bits(y), _bits(_q8_reference(x, blocks, qtype, bias)))
+    for m in range(1, 33):  # row invariance
+        part = _ext().linear_gguf_q8(torch.from_numpy(x[:m]), torch.from_numpy(blocks), int(qtype), n, torch.from_numpy(bias))
+        assert torch.equal(part, torch.from_numpy(y[:m])), m
+    exact = x.astype(np.float64) @ gguf.quants.dequantize(blocks, qtype).astype(np.float64).T + bias
+    assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations: close to, not equal to, the exact sums
+
+
+def test_int8_activations_only_for_k_quants():
+    with pytest.raises(RuntimeError, match="no int8-activation kernel"):
+        _ext().linear_gguf_q8(torch.zeros(1, 32), torch.zeros(4, 34, dtype=torch.uint8), int(T.Q8_0), 4)

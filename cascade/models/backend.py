@@ -16,7 +16,8 @@ Names (``BACKENDS``):
 - ``gguf``: the model's GGUF file's own blocks (k-quants and the legacy formats), each weight
   exactly as the ``gguf`` reference dequantizes it, fp32 arithmetic on cascade's row-invariant
   kernels, the lean forward (CPU; ``cascade.models.gguf_weights``): a zoo model or a ``.gguf``
-  path.
+  path. ``gguf_q8``: the same with the Q4_K / Q6_K layers multiplying activations quantized to
+  int8 per 256 (integer sums: llama.cpp's kind of arithmetic; row-invariant).
 - ``auto``: bf16 on CUDA; on CPUs ``native`` where the extension builds, else ``fp16w``, else
   bf16 (native bf16 CPUs) or ``onednn`` (:func:`auto_backend`); for a quantized load ("auto"
   quantization) the format this CPU runs fastest (``cascade.models.quantize.resolve_method``).
@@ -58,6 +59,7 @@ BACKENDS: dict[str, Backend] = {
     **{q: Backend(q, torch.float32, q, "cpu") for q in QUANTIZED if q != "nf4"},
     "nf4": Backend("nf4", torch.bfloat16, "nf4", "cuda"),
     "gguf": Backend("gguf", torch.float32, "gguf", "cpu"),
+    "gguf_q8": Backend("gguf_q8", torch.float32, "gguf_q8", "cpu"),
 }
 _ALIASES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16", "float": "float32",
             "double": "float64", "half": "float16"}

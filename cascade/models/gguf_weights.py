@@ -10,6 +10,11 @@ a parameter the file does not provide is an error, never a silent 16-bit leftove
 
 An F32 / F16 tensor (a file that does not quantize some layer) keeps an exact fp32 ``nn.Linear``;
 a block type without a kernel is an error naming it (``GGUF_KERNELS`` lists those with one).
+
+The ``gguf_q8`` backend is the same with llama.cpp's kind of arithmetic for the k-quants: Q4_K /
+Q6_K layers multiply activations quantized per 256 to int8 with integer sums
+(``csrc/gguf_q8.cpp``; row-invariant, bitwise an integer reference); the other block types stay
+exact.
 """
 
 from __future__ import annotations
@@ -104,6 +109,18 @@ class NativeGGUFLinear(NativeLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={name}"
 
 
+class NativeGGUFQ8Linear(NativeGGUFLinear):
+    """A Q4_K / Q6_K layer with int8 activations (``csrc/gguf_q8.cpp``): each row's blocks of 256
+    quantized to int8, integer sums, a fixed fp32 epilogue per block: llama.cpp's kind of
+    arithmetic, row-invariant, bitwise an integer reference. Not the file's real-valued model:
+    the activations are rounded."""
+
+    KIND = 6
+
+    def _matmul(self, x2d):
+        return _ext().linear_gguf_q8(x2d, self.blocks, self.qtype, self.out_features, self.bias)
+
+
 class GGUFEmbedding(nn.Module):
     """The token embedding on the file's blocks: the looked-up rows dequantized exactly (fp32)."""
 
@@ -136,7 +153,7 @@ def _f32(tensors: dict[str, FileTensor], name: str) -> torch.Tensor:
     return t.dense().reshape(-1)
 
 
-def _linear(tensors: dict[str, FileTensor], prefix: str, heads: int | None) -> nn.Module:
+def _linear(tensors: dict[str, FileTensor], prefix: str, heads: int | None, int8_activations: bool = False) -> nn.Module:
     weight = tensors[f"{prefix}.weight"]
     if heads is not None:
         weight.rows_permuted(heads)
@@ -148,14 +165,18 @@ def _linear(tensors: dict[str, FileTensor], prefix: str, heads: int | None) -> n
             if bias is not None:
                 linear.bias.copy_(bias)
         return linear
+    if int8_activations and _ext().gguf_q8_supported(weight.qtype):
+        return NativeGGUFQ8Linear(weight, bias)
     return NativeGGUFLinear(weight, bias)
 
 
-def use_gguf_weights(model: nn.Module, path: Path) -> dict[str, int]:
+def use_gguf_weights(model: nn.Module, path: Path, int8_activations: bool = False) -> dict[str, int]:
     """Replace every weight of a Llama / Qwen2-style fp32 ``model`` by the GGUF file's (in
     place): linears on the file's blocks, the embedding on its blocks, norms and biases its F32
-    tensors. Returns the count of tensors per ggml type used. Raises when the file and the
-    model do not match (a missing tensor, another layer count or shape)."""
+    tensors. ``int8_activations`` (backend ``gguf_q8``): the Q4_K / Q6_K layers multiply int8
+    activations (:class:`NativeGGUFQ8Linear`), the other block types stay exact. Returns the
+    count of tensors per ggml type used. Raises when the file and the model do not match (a
+    missing tensor, another layer count or shape)."""
     from gguf import GGUFReader  # the ecosystem's reader (an install requirement of transformers' GGUF loading)
 
     reader = GGUFReader(str(path))
@@ -178,7 +199,7 @@ def use_gguf_weights(model: nn.Module, path: Path) -> dict[str, int]:
             take(f"{prefix}.weight")
             heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(short) if permute else None
             old = layer.get_submodule(module_path)
-            new = _linear(tensors, prefix, heads)
+            new = _linear(tensors, prefix, heads, int8_activations)
             if (new.in_features, new.out_features) != (old.in_features, old.out_features) or (new.bias is None) != (old.bias is None):
                 raise ValueError(f"{prefix}: the file's layer is {new.in_features} -> {new.out_features} "
                                  f"(bias {new.bias is not None}), the model's {old.in_features} -> {old.out_features}")
@@ -199,7 +220,7 @@ def use_gguf_weights(model: nn.Module, path: Path) -> dict[str, int]:
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied: the embedding's blocks
     if head_name == "output.weight":
         take(head_name)
-    model.lm_head = _linear(tensors, head_name.removesuffix(".weight"), None)
+    model.lm_head = _linear(tensors, head_name.removesuffix(".weight"), None, int8_activations)
     written.update(id(p) for p in model.lm_head.parameters())
     model.config.tie_word_embeddings = False
     if model.lm_head.out_features != config.vocab_size:

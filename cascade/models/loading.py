@@ -87,10 +87,10 @@ def load_model(
     key = (str(name_or_path), chosen.name, str(device))
     if _shared is not None and key in _shared:
         return _shared[key]
-    source_file = gguf_source(name_or_path) if chosen.linears == "gguf" else None  # checked before loading
+    source_file = gguf_source(name_or_path) if chosen.linears in ("gguf", "gguf_q8") else None  # checked before loading
     lm = _load(name_or_path, chosen, device)
     if source_file is not None:
-        use_gguf_weights(lm.model, source_file)
+        use_gguf_weights(lm.model, source_file, int8_activations=chosen.linears == "gguf_q8")
         attach_lean(lm)
     apply_backend(lm, chosen)
     if _shared is not None:
@@ -122,9 +122,9 @@ def apply_backend(lm: CausalLM, backend: Backend) -> None:
     kind = backend.linears
     if kind is None or kind == "nf4":  # torch's modules (nf4: bitsandbytes quantized while loading)
         return
-    if kind == "gguf":  # the file's blocks, placed while loading (load_model): nothing to swap
+    if kind in ("gguf", "gguf_q8"):  # the file's blocks, placed while loading (load_model): nothing to swap
         if not any(isinstance(m, NativeGGUFLinear) for m in lm.model.modules()):
-            raise ValueError(f"backend 'gguf' is applied while loading from a GGUF file (load_model({lm.name!r}, backend='gguf'))")
+            raise ValueError(f"backend {kind!r} is applied while loading from a GGUF file (load_model({lm.name!r}, backend={kind!r}))")
         return
     if kind == "onednn":
         use_onednn_linears(lm.model)

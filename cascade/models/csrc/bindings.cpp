@@ -9,7 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LinearOp>(m, "LinearOp", "a native linear layer as layer_qkv / layer_rest run it")
       .def(py::init([](int64_t kind, torch::Tensor packed, c10::optional<torch::Tensor> scale,
                        c10::optional<torch::Tensor> colsum, int64_t group, int64_t N, c10::optional<torch::Tensor> bias) {
-             TORCH_CHECK(kind >= LinearOp::fp16 && kind <= LinearOp::gguf, "unknown LinearOp kind ", kind);
+             TORCH_CHECK(kind >= LinearOp::fp16 && kind <= LinearOp::gguf_q8, "unknown LinearOp kind ", kind);
              return LinearOp{kind, packed, scale ? *scale : torch::Tensor(), colsum ? *colsum : torch::Tensor(), group, N, bias};
            }),
            py::arg("kind"), py::arg("packed"), py::arg("scale") = py::none(), py::arg("colsum") = py::none(),
@@ -60,6 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF block tensor as fp32 (the kernel's decode; reference=True: "
         "the scalar decode)", py::arg("blocks"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none(),
         py::arg("reference") = false);
+  m.def("linear_gguf_q8", &linear_gguf_q8, "y = x @ W^T (+ bias) for Q4_K / Q6_K blocks with x quantized per 256 to int8: "
+        "integer sums, a fixed fp32 epilogue per block (reference=True: the scalar path)", py::arg("x"), py::arg("blocks"),
+        py::arg("qtype"), py::arg("n"), py::arg("bias") = py::none(), py::arg("reference") = false);
+  m.def("gguf_q8_supported", &gguf_q8_supported, "whether a ggml block type has the int8-activation kernel", py::arg("qtype"));
   m.def("gguf_block_weights", &gguf_block_weights, "weights per block of a ggml type", py::arg("qtype"));
   m.def("gguf_block_bytes", &gguf_block_bytes, "bytes per block of a ggml type", py::arg("qtype"));
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)); lanes 16 / 8: ATen's "

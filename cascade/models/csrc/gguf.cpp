@@ -23,40 +23,13 @@
 // Error bound: the weights are exact (bitwise the reference's); the sum of K products in fp32
 // has |y - x.w| <= gamma_K * sum_k |x_k w_k| (gamma_K = K u / (1 - K u), u = 2^-24).
 
+#include "gguf_blocks.h"
 #include "kernels.h"
 #include "ops.h"
 
 namespace cascade_native {
 
 namespace {
-
-inline float half_to_float(uint16_t h) {  // exact (every fp16 is an fp32), subnormals included
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
-  if (exponent == 0x1Fu) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: mantissa * 2^-24, normalized
-    exponent = 113u;
-    while (!(mantissa & 0x400u)) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float f16_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return half_to_float(h);
-}
 
 // Each format: QK weights per block of BYTES bytes; decode() the scalar reference (the AVX2 path
 // and the test oracle's twin); on AVX-512, prepare() reads a block's scales once and group()
@@ -160,15 +133,10 @@ struct Q4_K {
     alignas(64) float scale_offset[16];
   };
   __attribute__((target("avx512f"))) static Prep prepare(const uint8_t* b, __m512) {
-    uint32_t u[4];
-    std::memcpy(u, b + 4, 12);
-    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
-    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-    const uint32_t m_low = u[1] & low6;
-    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-    u[2] = m_low;
-    u[0] &= low6;
-    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u))));
+    const ScalesMins u = q4k_scales_mins(b + 4);
+    const __m128i bytes = _mm_setr_epi32(static_cast<int>(u.word[0]), static_cast<int>(u.word[1]), static_cast<int>(u.word[2]),
+                                         static_cast<int>(u.word[3]));
+    const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
     const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16_at(b)), _mm512_set1_ps(f16_at(b + 2)));
     Prep p;
     _mm512_store_ps(p.scale_offset, _mm512_mul_ps(d, fields));

@@ -28,6 +28,10 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& blocks, i
 torch::Tensor dequantize_gguf(const torch::Tensor& blocks, int64_t qtype, int64_t K, const c10::optional<torch::Tensor>& rows,
                               bool reference);
 int64_t gguf_block_weights(int64_t qtype);
+// gguf_q8.cpp: Q4_K / Q6_K blocks times activations quantized per 256 to int8, integer sums
+torch::Tensor linear_gguf_q8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
+                             const c10::optional<torch::Tensor>& bias, bool reference);
+bool gguf_q8_supported(int64_t qtype);
 int64_t gguf_block_bytes(int64_t qtype);
 // attention.cpp
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -52,7 +56,7 @@ struct NormOp {
 // A native linear layer as these calls run it: which kernel, and the tensors it reads (shared
 // with the Python module that made it; nothing is copied).
 struct LinearOp {
-  enum Kind { fp16 = 0, int8 = 1, int8_vnni = 2, int4 = 3, int4_vnni = 4, gguf = 5 };
+  enum Kind { fp16 = 0, int8 = 1, int8_vnni = 2, int4 = 3, int4_vnni = 4, gguf = 5, gguf_q8 = 6 };
   int64_t kind;
   torch::Tensor packed, scale, colsum;  // scale: int8 [P*32] / int4 scales [P, K/G, 32]; colsum: int8_vnni
   int64_t group, N;  // group: int4's group size; gguf: the ggml block type
@@ -66,6 +70,7 @@ struct LinearOp {
       case int4: return linear_int4(x, packed, scale, group, N, bias);
       case int4_vnni: return linear_int4_vnni(x, packed, scale, group, N, bias);
       case gguf: return linear_gguf(x, packed, group, N, bias);
+      case gguf_q8: return linear_gguf_q8(x, packed, group, N, bias, false);
     }
     TORCH_CHECK(false, "unknown LinearOp kind ", kind);
   }

@@ -1,0 +1,54 @@
+// What the GGUF kernels (gguf.cpp: exact fp32; gguf_q8.cpp: int8 activations) share about the
+// block formats: fp16 scales read exactly, Q4_K's 6-bit scales and mins unpacked.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace cascade_native {
+
+inline float half_to_float(uint16_t h) {  // exact (every fp16 is an fp32), subnormals included
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+  if (exponent == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: mantissa * 2^-24, normalized
+    exponent = 113u;
+    while (!(mantissa & 0x400u)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
+// Q4_K's 12 bytes of 6-bit fields -> four 32-bit words whose bytes are sc[0..7] then m[0..7]
+// (ggml's get_scale_min_k4, as llama.cpp unpacks it). Kept in registers: a vector load of
+// them from memory right after these scalar stores would wait on store forwarding.
+struct ScalesMins {
+  uint32_t word[4];
+  uint8_t byte(int i) const { return static_cast<uint8_t>(word[i / 4] >> (8 * (i % 4))); }
+};
+
+inline ScalesMins q4k_scales_mins(const uint8_t* scales) {
+  uint32_t u[3];
+  std::memcpy(u, scales, 12);
+  const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
+  return {{u[0] & low6, (u[2] & low4) | (((u[0] >> 6) & low2) << 4), u[1] & low6,
+           ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)}};
+}
+
+}  // namespace cascade_native

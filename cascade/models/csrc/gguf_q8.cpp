@@ -1,0 +1,296 @@
+// GGUF k-quant blocks times int8 activations: llama.cpp's kind of arithmetic (its CPU backend
+// quantizes activations to Q8_K for k-quant dot products), row-invariant and defined exactly so
+// that an independent integer reference reproduces every output bit (tests/test_gguf.py).
+//
+// Activations: each row's 256-weight blocks quantized on their own: amax = max |x|, dx = amax /
+// 127, xq = rint(x * (127 / amax)) (round half to even; all zero when amax is 0), and the sums of
+// xq over each 16 (bs16). Per output row n, input row m and block b, integer sums (exact, so
+// their order is free):
+//   Q4_K: I = sum_j sc_j sum_{i<32} q xq,  Mn = sum_j m_j (bs16[2j] + bs16[2j+1]),
+//         y_b = (d dx) float(I) - (dmin dx) float(Mn)
+//   Q6_K: I = sum_j sc_j (sum_{i<16} q xq - 32 bs16[j]),  y_b = (d dx) float(I)
+// every product and difference one fp32 operation in that order (no fused multiply-add); y =
+// y_0 + y_1 + ... in block order (+ bias). Nothing depends on the other rows: row i of an M-row
+// call is bitwise the 1-row call.
+//
+// AVX-512 VNNI: codes unpacked 64 per vector, vpmaddubsw against the activations (pairs of
+// products in 16 bits) and vpdpwssd against the sub-block scales (accumulated in 32 bits);
+// elsewhere the same integers in scalar code. Other block types have no int8 path (the backend
+// keeps them on the exact kernel, gguf.cpp).
+
+#include "gguf_blocks.h"
+#include "kernels.h"
+#include "ops.h"
+
+namespace cascade_native {
+
+namespace {
+
+constexpr int QK = 256;
+
+// Each row's blocks quantized: q [M, K] (Q4_K: each block's 32-weight pieces in the order its
+// code vectors hold them), d [M, K / 256], bs16 [M, K / 16].
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bs16;
+  int64_t K;
+};
+
+// Q4_K's code vectors (64 bytes each) hold the sub-blocks (0, 2), (1, 3), (4, 6), (5, 7): the low
+// and high nibbles of two 32-byte chunks.
+constexpr int Q4K_PIECE[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k_order) {
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / QK)), std::vector<int16_t>(M * (K / 16)), K};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const float* xb = x + m * ldx + b * QK;
+      float amax = 0.0f;
+      for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      int8_t q[QK];
+      if (amax == 0.0f) {
+        std::memset(q, 0, QK);
+        r.d[m * (K / QK) + b] = 0.0f;
+      } else {
+        const float inv = 127.0f / amax;
+        r.d[m * (K / QK) + b] = amax / 127.0f;
+        for (int i = 0; i < QK; ++i) q[i] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xb[i] * inv))));
+      }
+      for (int s = 0; s < 16; ++s) {
+        int sum = 0;
+        for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
+        r.bs16[m * (K / 16) + b * 16 + s] = static_cast<int16_t>(sum);
+      }
+      int8_t* dst = r.q.data() + m * K + b * QK;
+      for (int p = 0; p < 8; ++p) std::memcpy(dst + 32 * p, q + 32 * (q4k_order ? Q4K_PIECE[p] : p), 32);
+    }
+  return r;
+}
+
+// ---- the scalar path (and the definition) ------------------------------------------------------
+
+float q4k_block_scalar(const uint8_t* b, const int8_t* xq, float dx, const int16_t* bs16) {
+  const ScalesMins u = q4k_scales_mins(b + 4);
+  int64_t I = 0, Mn = 0;
+  for (int p = 0; p < 8; ++p) {  // piece p of xq is sub-block Q4K_PIECE[p]
+    const int j = Q4K_PIECE[p];
+    const uint8_t* codes = b + 16 + 32 * (j / 2);
+    int64_t dot = 0;
+    for (int i = 0; i < 32; ++i) dot += ((codes[i] >> (4 * (j % 2))) & 0xF) * xq[32 * p + i];
+    I += u.byte(j) * dot;
+    Mn += u.byte(8 + j) * (bs16[2 * j] + bs16[2 * j + 1]);
+  }
+  const float dd = f16_at(b) * dx, dm = f16_at(b + 2) * dx;
+  const float t1 = dd * static_cast<float>(I), t2 = dm * static_cast<float>(Mn);
+  return t1 - t2;
+}
+
+float q6k_block_scalar(const uint8_t* b, const int8_t* xq, float dx, const int16_t* bs16) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  int64_t I = 0;
+  for (int j = 0; j < 16; ++j) {
+    int64_t dot = 0;
+    for (int i = 0; i < 16; ++i) {
+      const int k = 16 * j + i, h = k / 128, t = (k % 128) / 32, c = k % 32;
+      const int q = ((ql[64 * h + 32 * (t & 1) + c] >> (4 * (t >> 1))) & 0xF) | (((qh[32 * h + c] >> (2 * t)) & 3) << 4);
+      dot += q * xq[k];
+    }
+    I += sc[j] * (dot - 32 * bs16[j]);
+  }
+  const float dd = f16_at(b + 208) * dx;
+  return dd * static_cast<float>(I);
+}
+
+// ---- AVX-512 VNNI -------------------------------------------------------------------------------
+
+#define Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// The four 64-weight code vectors of a block and its scales (16-bit lanes matching the codes'
+// 16-bit product pairs), and per format what the block needs besides.
+struct Q4KCodes {
+  __m512i codes[4], scales[4];
+  __m128i mins;  // m_0 .. m_7 as 16-bit
+  float d, dmin;
+};
+
+// Index vectors for vpermw: lanes 8q .. 8q + 7 take value pieces[q] (a 16-bit lane is a pair of
+// codes: 8 lanes are 16 weights).
+struct LaneIndex {
+  alignas(64) int16_t lane[32];
+};
+constexpr LaneIndex lane_index(int a, int b, int c, int d) {
+  LaneIndex index{};
+  const int pieces[4] = {a, b, c, d};
+  for (int l = 0; l < 32; ++l) index.lane[l] = static_cast<int16_t>(pieces[l / 8]);
+  return index;
+}
+// Q4_K: the code vectors hold sub-blocks (0, 2), (1, 3), (4, 6), (5, 7), 32 weights each
+constexpr LaneIndex Q4K_LANES[4] = {lane_index(0, 0, 2, 2), lane_index(1, 1, 3, 3), lane_index(4, 4, 6, 6), lane_index(5, 5, 7, 7)};
+// Q6_K: vector v holds its sub-blocks 4v .. 4v + 3, 16 weights each
+constexpr LaneIndex Q6K_LANES[4] = {lane_index(0, 1, 2, 3), lane_index(4, 5, 6, 7), lane_index(8, 9, 10, 11), lane_index(12, 13, 14, 15)};
+
+Q8_TARGET inline __m512i lanes_of(const __m256i& values16, const LaneIndex& index) {
+  return _mm512_permutexvar_epi16(_mm512_load_si512(index.lane), _mm512_castsi256_si512(values16));
+}
+
+Q8_TARGET inline Q4KCodes q4k_codes(const uint8_t* b) {
+  Q4KCodes c;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(b + 16 + 64 * h);
+    c.codes[2 * h] = _mm512_and_si512(v, low4);
+    c.codes[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+  const ScalesMins u = q4k_scales_mins(b + 4);
+  const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(u.word[0]), static_cast<int>(u.word[1]),
+                                                           static_cast<int>(u.word[2]), static_cast<int>(u.word[3])));
+  for (int v = 0; v < 4; ++v) c.scales[v] = lanes_of(sc16, Q4K_LANES[v]);
+  c.mins = _mm256_extracti128_si256(sc16, 1);
+  c.d = f16_at(b);
+  c.dmin = f16_at(b + 2);
+  return c;
+}
+
+struct Q6KCodes {
+  __m512i codes[4], scales[4];
+  __m256i sc16;  // the 16 scales as 16-bit
+  float d;
+};
+
+Q8_TARGET inline Q6KCodes q6k_codes(const uint8_t* b) {
+  Q6KCodes c;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(0x03);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m512i qh01 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    const __m512i qh23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4)), _mm256_srli_epi16(qh, 6), 1);
+    c.codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(_mm512_and_si512(qh01, low2), 4));
+    c.codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                         _mm512_slli_epi16(_mm512_and_si512(qh23, low2), 4));
+  }
+  c.sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  for (int v = 0; v < 4; ++v) c.scales[v] = lanes_of(c.sc16, Q6K_LANES[v]);
+  c.d = f16_at(b + 208);
+  return c;
+}
+
+Q8_TARGET inline int32_t codes_dot(const __m512i* codes, const __m512i* scales, const int8_t* xq) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int v = 0; v < 4; ++v)
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(codes[v], _mm512_loadu_si512(xq + 64 * v)), scales[v]);
+  return _mm512_reduce_add_epi32(acc);
+}
+
+Q8_TARGET inline int32_t sum4(__m128i v4x32) {  // the sum of four 32-bit lanes
+  v4x32 = _mm_add_epi32(v4x32, _mm_shuffle_epi32(v4x32, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v4x32, _mm_shuffle_epi32(v4x32, 0xB1)));
+}
+
+Q8_TARGET inline float q4k_block(const Q4KCodes& c, const int8_t* xq, float dx, const int16_t* bs16) {
+  const int32_t I = codes_dot(c.codes, c.scales, xq);
+  // bs16 pairs -> the eight 32-weight sums, times m_j
+  const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16));
+  const __m256i sums32 = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 x 32-bit: bs16[2j] + bs16[2j+1]
+  const __m256i mins32 = _mm256_cvtepu16_epi32(c.mins);
+  const __m256i prod = _mm256_mullo_epi32(sums32, mins32);
+  const int32_t Mn = sum4(_mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256(prod, 1)));
+  const float dd = c.d * dx, dm = c.dmin * dx;
+  const float t1 = dd * static_cast<float>(I), t2 = dm * static_cast<float>(Mn);
+  return t1 - t2;
+}
+
+Q8_TARGET inline float q6k_block(const Q6KCodes& c, const int8_t* xq, float dx, const int16_t* bs16) {
+  const int32_t dot = codes_dot(c.codes, c.scales, xq);
+  const __m256i corr = _mm256_madd_epi16(c.sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)));
+  const int32_t sc_bs = sum4(_mm_add_epi32(_mm256_castsi256_si128(corr), _mm256_extracti128_si256(corr, 1)));
+  const float dd = c.d * dx;
+  return dd * static_cast<float>(dot - 32 * sc_bs);
+}
+
+// NR output rows x MR input rows; each (n, m) a scalar sum over blocks in order.
+template <int NR, int MR, bool Q4K>
+Q8_TARGET void q8_rows(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* y,
+                       int64_t ldy) {
+  const int64_t K = xr.K, nb = K / QK;
+  float acc[NR][MR] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* blk = w + r * row_bytes + b * (Q4K ? 144 : 210);
+      for (int line = 0; line < (Q4K ? 144 : 210); line += 64) prefetch_ahead(blk + line);
+      if constexpr (Q4K) {
+        const Q4KCodes c = q4k_codes(blk);
+        for (int m = 0; m < MR; ++m)
+          acc[r][m] += q4k_block(c, xr.q.data() + (m0 + m) * K + b * QK, xr.d[(m0 + m) * nb + b], xr.bs16.data() + (m0 + m) * (K / 16) + b * 16);
+      } else {
+        const Q6KCodes c = q6k_codes(blk);
+        for (int m = 0; m < MR; ++m)
+          acc[r][m] += q6k_block(c, xr.q.data() + (m0 + m) * K + b * QK, xr.d[(m0 + m) * nb + b], xr.bs16.data() + (m0 + m) * (K / 16) + b * 16);
+      }
+    }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? acc[r][m] + bias[r] : acc[r][m];
+}
+
+void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_bytes, bool q4k, const float* bias, float* y,
+              int64_t N, int64_t n0, int64_t n1, bool reference) {
+  const int64_t K = xr.K, nb = K / QK;
+  if (reference || !has_vnni()) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = w + n * row_bytes + b * (q4k ? 144 : 210);
+          const int8_t* xq = xr.q.data() + m * K + b * QK;
+          const int16_t* bs = xr.bs16.data() + m * (K / 16) + b * 16;
+          acc += q4k ? q4k_block_scalar(blk, xq, xr.d[m * nb + b], bs) : q6k_block_scalar(blk, xq, xr.d[m * nb + b], bs);
+        }
+        y[m * N + n] = bias ? acc + bias[n] : acc;
+      }
+    return;
+  }
+  run_rows(M, 4, [&](int64_t r0, int rows) {
+    with_rows<4>(rows, [&](auto mr) {
+      constexpr int MR = decltype(mr)::value, NR = MR == 1 ? 4 : 2;
+      auto run = [&](auto nr, int64_t n) {
+        constexpr int R = decltype(nr)::value;
+        if (q4k) q8_rows<R, MR, true>(xr, r0, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, y + r0 * N + n, N);
+        else q8_rows<R, MR, false>(xr, r0, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, y + r0 * N + n, N);
+      };
+      int64_t n = n0;
+      for (; n + NR <= n1; n += NR) run(std::integral_constant<int, NR>{}, n);
+      for (; n < n1; ++n) run(std::integral_constant<int, 1>{}, n);
+    });
+  });
+}
+
+}  // namespace
+
+bool gguf_q8_supported(int64_t qtype) { return qtype == 12 || qtype == 14; }
+
+torch::Tensor linear_gguf_q8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
+                             const c10::optional<torch::Tensor>& bias, bool reference) {
+  TORCH_CHECK(gguf_q8_supported(qtype), "linear_gguf_q8: GGUF block type ", qtype,
+              " has no int8-activation kernel (Q4_K = 12, Q6_K = 14; the others run linear_gguf)");
+  expect(x, "linear_gguf_q8", "x", torch::kFloat32, Layout::unit_inner);
+  expect(blocks, "linear_gguf_q8", "blocks", torch::kUInt8, Layout::contiguous);
+  TORCH_CHECK(x.dim() == 2, "linear_gguf_q8: x must be 2-D [M, K]");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == N, "linear_gguf_q8: blocks must be [N, row bytes] with N = ", N);
+  expect_bias(bias, "linear_gguf_q8", N);
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool q4k = qtype == 12;
+  TORCH_CHECK(K % QK == 0, "linear_gguf_q8: K = ", K, " is not a whole number of 256-weight blocks");
+  TORCH_CHECK(blocks.size(1) == K / QK * (q4k ? 144 : 210), "linear_gguf_q8: a row of K = ", K, " weights is ",
+              K / QK * (q4k ? 144 : 210), " bytes, blocks has ", blocks.size(1));
+  auto y = torch::empty({M, N}, x.options());
+  const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q4k);
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q8_range(xr, M, wp, blocks.size(1), q4k, bp, yp, N, n0, n1, reference); });
+  return y;
+}
+
+}  // namespace cascade_native
