@@ -32,9 +32,10 @@ def _first(values: dict) -> float | None:
 
 
 def _decode(method: dict) -> str:
-    """The decode-only speedup; "-" for a method without step records (a ``generate:`` call has
-    no prefill to exclude, so its ratio would not be one)."""
-    if method.get("decode_speedup") is None or method["stats"].get("tau") is None:
+    """The decode-only speedup; "-" for a method that recorded no prefill time (transformers'
+    ``generate`` has no prefill to exclude, so its ratio would not be one; llama.cpp reports
+    its prompt time, so its decode is comparable)."""
+    if method.get("decode_speedup") is None or not method["stats"].get("prefill_time_s"):
         return "-"
     return f"{method['decode_speedup']:.2f}x"
 

@@ -79,16 +79,17 @@ K_QUANTS = {**{k: T.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate"
             "ffn_down": T.Q6_K, "token_embd": T.Q4_K, "output": T.Q6_K}
 
 
-def tiny_gguf_target(path: Path, types: dict[str, T] = LEGACY, hidden_size: int = 64, seed: int = 0):
-    """A tiny Llama on the ``gguf`` backend, its weights the file written at ``path`` (as
-    ``load_model(file, backend="gguf")`` places them), and the file."""
+def tiny_gguf_target(path: Path, types: dict[str, T] = LEGACY, hidden_size: int = 64, seed: int = 0,
+                     int8_activations: bool = False):
+    """A tiny Llama on the ``gguf`` backend (``int8_activations``: ``gguf_q8``), its weights the
+    file written at ``path`` (as ``load_model(file, backend=...)`` places them), and the file."""
     def fresh():
         return tiny_llama(vocab_size=256, hidden_size=hidden_size, num_layers=4, seed=seed, dtype=torch.float32,
                           name=f"tiny-gguf:{seed}")
 
     file = write_tiny_gguf(path, fresh(), types, seed)
     lm = fresh()
-    use_gguf_weights(lm.model, file)
+    use_gguf_weights(lm.model, file, int8_activations=int8_activations)
     attach_lean(lm)
-    lm.backend = BACKENDS["gguf"]
+    lm.backend = BACKENDS["gguf_q8" if int8_activations else "gguf"]
     return lm, file

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cascade.drafters.lm_base import LMDrafter, crop_to_prefix
+from cascade.drafters.lm_base import LMDrafter, crop_to_prefix, keep_tree_entries
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
 from cascade.models.lm import CausalLM
@@ -238,10 +238,7 @@ class CrossTokenizerDrafter(LMDrafter):
             if node not in t.path:
                 break
             keep = t.path[node]
-        if self.model.cache_len(self.cache) != t.base + len(t.tokens) or len(self.cached) != t.base:
-            raise RuntimeError(f"{self.name}: the draft cache changed between tree_start and tree_commit")
-        self.model.compact(self.cache, t.base, keep)
-        self.cached = self.cached + [t.tokens[j] for j in keep]
+        self.cached = keep_tree_entries(self.model, self.cache, self.cached, t.base, t.tokens, keep, self.name)
         self._pieces = None
 
     def describe(self) -> DrafterInfo:

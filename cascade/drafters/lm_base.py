@@ -66,6 +66,18 @@ def crop_to_prefix(model: CausalLM, cache, cached: list[int], tokens: list[int])
     return cached[:keep]
 
 
+def keep_tree_entries(model: CausalLM, cache, cached: list[int], base: int, fed: list[int], keep: list[int],
+                      name: str) -> list[int]:
+    """After a tree draft on a drafter's own cache (which holds ``cached``, the context's ``base``
+    entries, then one entry per token of ``fed``): keep the entries ``keep`` (indices into
+    ``fed``: the accepted path's fed prefix, in order) and drop the others. Returns what the
+    cache then holds. The one place a tree's nodes are committed to a drafter's cache."""
+    if model.cache_len(cache) != base + len(fed) or len(cached) != base:
+        raise RuntimeError(f"{name}: the draft cache changed between tree_start and tree_commit")
+    model.compact(cache, base, keep)
+    return cached + [fed[j] for j in keep]
+
+
 def check_same_vocabulary(drafter_lm: CausalLM, target: CausalLM) -> None:
     """Refuse a drafter whose distributions do not index the target's vocabulary."""
     if drafter_lm.vocab_size != target.vocab_size:

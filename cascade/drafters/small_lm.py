@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cascade.drafters.lm_base import LMDrafter, crop_to_prefix
+from cascade.drafters.lm_base import LMDrafter, crop_to_prefix, keep_tree_entries
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.lm import CausalLM
 from cascade.types import SamplingConfig
@@ -80,8 +80,5 @@ class SmallLMDrafter(LMDrafter):
             if node not in t.slot:
                 break
             keep.append(t.slot[node])
-        if self.model.cache_len(self.cache) != t.base + len(t.ids) or len(self.cached) != t.base:
-            raise RuntimeError(f"{self.name}: the draft cache changed between tree_start and tree_commit")
-        self.model.compact(self.cache, t.base, keep)
-        self.cached = self.cached + [t.tokens[j] for j in keep]
+        self.cached = keep_tree_entries(self.model, self.cache, self.cached, t.base, t.tokens, keep, self.name)
         self._tree = None
