@@ -52,7 +52,7 @@ from cascade.models import load_model
 from cascade.models.loading import shared_models
 from cascade.models.native import native_kernels, unavailable_reason
 from cascade.provenance import code_state, cpu_identity, linear_kernels
-from cascade.llamacpp import LlamaCppGenerate
+from cascade.llamacpp import LlamaCppGenerate, LlamaCppUnavailable, server_binary
 from cascade.summary import Environment, MethodSummary, RunSummary
 from cascade.types import DrafterInfo, SamplingConfig
 from cascade.validation import config_errors
@@ -151,11 +151,16 @@ def validate(cfg: DictConfig) -> SamplingConfig:
             raise ConfigError(f"method {name!r}: unknown verification rule {rule!r} (verify= one of {', '.join(VERIFIERS)})")
         for target in _targets(OmegaConf.to_container(mcfg, resolve=False)):
             try:
-                get_object(target)
+                obj = get_object(target)
             except ImportError as exc:
                 raise ConfigError(
                     f"method {name!r} needs {target}, which is not yet available in this version of cascade"
                 ) from exc
+            if obj is LlamaCppGenerate:  # a peer program: its server must be built before any model loads
+                try:
+                    server_binary()
+                except LlamaCppUnavailable as exc:
+                    raise ConfigError(f"method {name!r}: {exc} (or drop it: ~methods.{name})") from exc
     try:
         return instantiate(cfg.sampling)
     except InstantiationException as exc:

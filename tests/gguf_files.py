@@ -79,17 +79,58 @@ K_QUANTS = {**{k: T.Q4_K for k in ("attn_q", "attn_k", "attn_output", "ffn_gate"
             "ffn_down": T.Q6_K, "token_embd": T.Q4_K, "output": T.Q6_K}
 
 
-def tiny_gguf_target(path: Path, types: dict[str, T] = LEGACY, hidden_size: int = 64, seed: int = 0,
-                     int8_activations: bool = False):
-    """A tiny Llama on the ``gguf`` backend (``int8_activations``: ``gguf_q8``), its weights the
-    file written at ``path`` (as ``load_model(file, backend=...)`` places them), and the file."""
-    def fresh():
-        return tiny_llama(vocab_size=256, hidden_size=hidden_size, num_layers=4, seed=seed, dtype=torch.float32,
-                          name=f"tiny-gguf:{seed}")
-
-    file = write_tiny_gguf(path, fresh(), types, seed)
-    lm = fresh()
+def gguf_copy(make, path: Path, types: dict[str, T], seed: int = 0, int8_activations: bool = False):
+    """``make()`` (a tiny Llama) written as a GGUF file at ``path``, and a fresh fp32 ``make``-shaped
+    model on the ``gguf`` backend holding the file's weights (``int8_activations``: ``gguf_q8``), as
+    ``load_model(file, backend=...)`` places them. Returns (model, file)."""
+    file = write_tiny_gguf(path, make(), types, seed)
+    lm = make()
+    lm.model.float()
     use_gguf_weights(lm.model, file, int8_activations=int8_activations)
     attach_lean(lm)
     lm.backend = BACKENDS["gguf_q8" if int8_activations else "gguf"]
     return lm, file
+
+
+def tiny_gguf_target(path: Path, types: dict[str, T] = LEGACY, hidden_size: int = 64, seed: int = 0,
+                     int8_activations: bool = False):
+    """A tiny Llama (vocabulary 256, 4 layers) on the ``gguf`` backend (``int8_activations``:
+    ``gguf_q8``), its weights the file written at ``path``, and the file."""
+    def fresh():
+        return tiny_llama(vocab_size=256, hidden_size=hidden_size, num_layers=4, seed=seed, dtype=torch.float32,
+                          name=f"tiny-gguf:{seed}")
+
+    return gguf_copy(fresh, path, types, seed, int8_activations)
+
+
+def reference_model(lm, file: Path):
+    """A float64 model shaped like ``lm`` holding the file's reference-dequantized weights (the
+    ``gguf`` package's ``dequantize``; q / k rows put back in the model's order by inverting the
+    writer's permutation): the independent reference of a GGUF target."""
+    config = lm.model.config
+    ref = tiny_llama(vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+                     num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, seed=0,
+                     dtype=torch.float64)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
+
+    def dense(name, heads=None):
+        t = tensors[name]
+        w = gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(-1, int(t.shape[0]))
+        if heads is not None:
+            order = _permute(np.arange(w.shape[0])[:, None], heads)[:, 0]  # file row r holds model row order[r]
+            out = np.empty_like(w)
+            out[order] = w
+            w = out
+        return torch.from_numpy(w.astype(np.float64))
+
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.model.layers):
+            for short, module in LINEARS.items():
+                heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(short)
+                layer.get_submodule(module).weight.copy_(dense(f"blk.{i}.{short}.weight", heads))
+            layer.input_layernorm.weight.copy_(dense(f"blk.{i}.attn_norm.weight").reshape(-1))
+            layer.post_attention_layernorm.weight.copy_(dense(f"blk.{i}.ffn_norm.weight").reshape(-1))
+        ref.model.model.norm.weight.copy_(dense("output_norm.weight").reshape(-1))
+        ref.model.model.embed_tokens.weight.copy_(dense("token_embd.weight"))
+        ref.model.lm_head.weight.copy_(dense("output.weight"))
+    return ref

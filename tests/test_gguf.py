@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from cascade import generate
 from cascade.models.native import fp32_sum_bound, native_kernels
 
-from gguf_files import K_QUANTS, LEGACY, LINEARS, _permute, random_blocks, tiny_gguf_target
+from gguf_files import K_QUANTS, LEGACY, random_blocks, reference_model, tiny_gguf_target
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="cascade's native kernels do not build here")
 FORMATS = [T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
@@ -104,39 +104,6 @@ def tiny_gguf(request, tmp_path_factory):
                             int8_activations=request.param.endswith("q8"))
 
 
-def _reference_model(lm, file):
-    """A float64 copy of the tiny model holding the file's reference-dequantized weights (q / k
-    rows put back in the model's order by the writer's permutation, inverted here)."""
-    from cascade.models import tiny_llama
-
-    config = lm.model.config
-    ref = tiny_llama(vocab_size=256, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers, seed=0,
-                     dtype=torch.float64)
-    tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
-
-    def dense(name, heads=None):
-        t = tensors[name]
-        w = gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(-1, int(t.shape[0]))
-        if heads is not None:
-            order = _permute(np.arange(w.shape[0])[:, None], heads)[:, 0]  # file row r holds model row order[r]
-            out = np.empty_like(w)
-            out[order] = w
-            w = out
-        return torch.from_numpy(w.astype(np.float64))
-
-    with torch.no_grad():
-        for i, layer in enumerate(ref.model.model.layers):
-            for short, module in LINEARS.items():
-                heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(short)
-                layer.get_submodule(module).weight.copy_(dense(f"blk.{i}.{short}.weight", heads))
-            layer.input_layernorm.weight.copy_(dense(f"blk.{i}.attn_norm.weight").reshape(-1))
-            layer.post_attention_layernorm.weight.copy_(dense(f"blk.{i}.ffn_norm.weight").reshape(-1))
-        ref.model.model.norm.weight.copy_(dense("output_norm.weight").reshape(-1))
-        ref.model.model.embed_tokens.weight.copy_(dense("token_embd.weight"))
-        ref.model.lm_head.weight.copy_(dense("output.weight"))
-    return ref
-
-
 def test_tiny_gguf_logits_match_the_reference_weights(tiny_gguf):
     from cascade.models.gguf_weights import NativeGGUFLinear
     from cascade.models.lean import LeanDecoder
@@ -148,7 +115,7 @@ def test_tiny_gguf_logits_match_the_reference_weights(tiny_gguf):
     assert isinstance(lm.model.lm_head, NativeGGUFLinear)
     ids = torch.tensor([[3, 17, 99, 4, 250, 8, 8, 1]])
     ours = lm.model(ids).logits.double()
-    ref = _reference_model(lm, file).model(ids).logits
+    ref = reference_model(lm, file).model(ids).logits
     if lm.backend.name == "gguf_q8":  # int8 activations: near the file's real-valued model, not equal to it
         assert isinstance(lm.model.lm_head, NativeGGUFQ8Linear)
         assert (ours - ref).abs().max() <= 0.05 * ref.abs().max(), (ours - ref).abs().max()
@@ -162,7 +129,7 @@ def test_every_method_is_greedy_autoregressive_on_a_gguf_target(tiny_gguf):
     from cascade.models import perturbed_copy
 
     lm, _ = tiny_gguf
-    close = perturbed_copy(_reference_model(lm, tiny_gguf[1]), noise=0.02, seed=1)
+    close = perturbed_copy(reference_model(lm, tiny_gguf[1]), noise=0.02, seed=1)
     prompt = [1, 2, 3, 4, 5, 6]
     ar = generate(lm, prompt, max_new_tokens=24, stop_on_eos=False).tokens
     for name, make in tiny_methods(lm, close).items():
@@ -294,3 +261,13 @@ def test_int8_activation_kernel_is_bitwise_its_integer_reference(qtype, referenc
 def test_int8_activations_only_for_k_quants():
     with pytest.raises(RuntimeError, match="no int8-activation kernel"):
         _ext().linear_gguf_q8(torch.zeros(1, 32), torch.zeros(4, 34, dtype=torch.uint8), int(T.Q8_0), 4)
+
+
+def test_a_run_with_llamacpp_methods_fails_before_loading_when_the_server_is_missing(monkeypatch, tmp_path, no_model_loading):
+    from test_validation import _cfg
+
+    from cascade.run import ConfigError, validate
+
+    monkeypatch.setenv("CASCADE_LLAMA_SERVER", str(tmp_path / "missing" / "llama-server"))
+    with pytest.raises(ConfigError, match="llamacpp_ar.*build_llamacpp.sh"):
+        validate(_cfg("+experiment=bench/gguf"))
