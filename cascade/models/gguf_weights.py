@@ -170,6 +170,44 @@ def _linear(tensors: dict[str, FileTensor], prefix: str, heads: int | None, int8
     return NativeGGUFLinear(weight, bias)
 
 
+class _FileWeights:
+    """A GGUF file's tensors as they are handed to a model: which were used (per ggml type) and
+    which of the model's parameters got the file's values."""
+
+    def __init__(self, path: Path, int8_activations: bool) -> None:
+        from gguf import GGUFReader  # the ecosystem's reader (an install requirement of transformers' GGUF loading)
+
+        reader = GGUFReader(str(path))
+        self.path, self.int8_activations = path, int8_activations
+        self.tensors = {t.name: FileTensor(t) for t in reader.tensors}
+        field = reader.fields.get("general.architecture")
+        self.arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+        self.used: dict[str, int] = {}
+        self.written: set[int] = set()  # ids of the parameters given the file's values
+
+    def take(self, name: str) -> FileTensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.path}: no tensor {name!r} (architecture {self.arch}); this model is not the file's")
+        self.used[self.tensors[name].type_name] = self.used.get(self.tensors[name].type_name, 0) + 1
+        return self.tensors[name]
+
+    def linear(self, prefix: str, heads: int | None, like: nn.Module | None = None) -> nn.Module:
+        self.take(f"{prefix}.weight")
+        new = _linear(self.tensors, prefix, heads, self.int8_activations)
+        if like is not None and ((new.in_features, new.out_features) != (like.in_features, like.out_features)
+                                 or (new.bias is None) != (like.bias is None)):
+            raise ValueError(f"{prefix}: the file's layer is {new.in_features} -> {new.out_features} "
+                             f"(bias {new.bias is not None}), the model's {like.in_features} -> {like.out_features}")
+        self.written.update(id(p) for p in new.parameters())
+        return new
+
+    def norm(self, module: nn.Module, name: str) -> None:
+        self.take(name)
+        with torch.no_grad():
+            module.weight.copy_(_f32(self.tensors, name))
+        self.written.add(id(module.weight))
+
+
 def use_gguf_weights(model: nn.Module, path: Path, int8_activations: bool = False) -> dict[str, int]:
     """Replace every weight of a Llama / Qwen2-style fp32 ``model`` by the GGUF file's (in
     place): linears on the file's blocks, the embedding on its blocks, norms and biases its F32
@@ -177,57 +215,25 @@ def use_gguf_weights(model: nn.Module, path: Path, int8_activations: bool = Fals
     activations (:class:`NativeGGUFQ8Linear`), the other block types stay exact. Returns the
     count of tensors per ggml type used. Raises when the file and the model do not match (a
     missing tensor, another layer count or shape)."""
-    from gguf import GGUFReader  # the ecosystem's reader (an install requirement of transformers' GGUF loading)
-
-    reader = GGUFReader(str(path))
-    tensors = {t.name: FileTensor(t) for t in reader.tensors}
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else "?"
+    file = _FileWeights(path, int8_activations)
     config, base = model.config, model.model
-    permute = arch == "llama"  # llama.cpp's converter permutes Llama's q / k rows (not Qwen2's)
-    used: dict[str, int] = {}
-    written: set[int] = set()  # the parameters given the file's values
-
-    def take(name: str) -> None:
-        if name not in tensors:
-            raise ValueError(f"{path}: no tensor {name!r} (architecture {arch}); this model is not the file's")
-        used[tensors[name].type_name] = used.get(tensors[name].type_name, 0) + 1
-
+    permute = file.arch == "llama"  # llama.cpp's converter permutes Llama's q / k rows (not Qwen2's)
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if permute else {}
     for i, layer in enumerate(base.layers):
         for short, module_path in _LAYER_LINEARS.items():
-            prefix = f"blk.{i}.{short}"
-            take(f"{prefix}.weight")
-            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(short) if permute else None
-            old = layer.get_submodule(module_path)
-            new = _linear(tensors, prefix, heads, int8_activations)
-            if (new.in_features, new.out_features) != (old.in_features, old.out_features) or (new.bias is None) != (old.bias is None):
-                raise ValueError(f"{prefix}: the file's layer is {new.in_features} -> {new.out_features} "
-                                 f"(bias {new.bias is not None}), the model's {old.in_features} -> {old.out_features}")
-            _set_module(layer, module_path, new)
-            written.update(id(p) for p in new.parameters())
+            _set_module(layer, module_path, file.linear(f"blk.{i}.{short}", heads.get(short), layer.get_submodule(module_path)))
         for short, module_path in _LAYER_NORMS.items():
-            take(f"blk.{i}.{short}.weight")
-            norm = layer.get_submodule(module_path)
-            with torch.no_grad():
-                norm.weight.copy_(_f32(tensors, f"blk.{i}.{short}.weight"))
-            written.add(id(norm.weight))
-    take("output_norm.weight")
-    with torch.no_grad():
-        base.norm.weight.copy_(_f32(tensors, "output_norm.weight"))
-    written.add(id(base.norm.weight))
-    take("token_embd.weight")
-    base.embed_tokens = GGUFEmbedding(tensors["token_embd.weight"])
-    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied: the embedding's blocks
-    if head_name == "output.weight":
-        take(head_name)
-    model.lm_head = _linear(tensors, head_name.removesuffix(".weight"), None, int8_activations)
-    written.update(id(p) for p in model.lm_head.parameters())
+            file.norm(layer.get_submodule(module_path), f"blk.{i}.{short}.weight")
+    file.norm(base.norm, "output_norm.weight")
+    base.embed_tokens = GGUFEmbedding(file.take("token_embd.weight"))
+    tied = "output.weight" not in file.tensors  # then the LM head is the embedding's blocks
+    model.lm_head = file.linear("token_embd" if tied else "output", None)
     model.config.tie_word_embeddings = False
     if model.lm_head.out_features != config.vocab_size:
-        raise ValueError(f"{path}: {head_name} has {model.lm_head.out_features} rows, the model's vocabulary {config.vocab_size}")
-    leftover = [n for n, p in model.named_parameters() if id(p) not in written]
+        raise ValueError(f"{path}: the LM head has {model.lm_head.out_features} rows, the model's vocabulary {config.vocab_size}")
+    leftover = [n for n, p in model.named_parameters() if id(p) not in file.written]
     if leftover:
         raise ValueError(f"{path}: parameters the file did not replace: {leftover[:5]}")
     log.info("%s: weights from %s (%s)", getattr(model, "name_or_path", "model"), path.name,
-             ", ".join(f"{n} {t}" for t, n in sorted(used.items())))
-    return used
+             ", ".join(f"{n} {t}" for t, n in sorted(file.used.items())))
+    return file.used
