@@ -42,8 +42,12 @@ GGUF_AVX512 inline float f16_hw(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+GGUF_AVX512 inline __m512 iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 // Each format: QK weights per block of BYTES bytes; decode() the scalar reference (the AVX2 path
-// and the test oracle's twin); on AVX-512, prepare() reads a block's scales once and group()
+// and the test oracle's twin, reading codes through gguf_blocks.h); on AVX-512, prepare() reads a block's scales once and group()
 // writes the block's weights GW * g .. GW * (g + 1) - 1 as GW / 16 vectors.
 
 struct Q4_1 {
@@ -58,8 +62,8 @@ struct Q4_1 {
   struct Prep {
     __m512 table;
   };
-  GGUF_AVX512 static Prep prepare(const uint8_t* b, __m512 iota) {
-    return {_mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f16_hw(b)), iota), _mm512_set1_ps(f16_hw(b + 2)))};
+  GGUF_AVX512 static Prep prepare(const uint8_t* b) {
+    return {_mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f16_hw(b)), iota16()), _mm512_set1_ps(f16_hw(b + 2)))};
   }
   GGUF_AVX512 static void group(const uint8_t* b, const Prep& p, int, __m512* w) {
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
@@ -84,8 +88,8 @@ struct Q5_0 {
     __m512 low, high;  // the codes 0-15 and 16-31: d * (c - 16)
     uint32_t qh;
   };
-  GGUF_AVX512 static Prep prepare(const uint8_t* b, __m512 iota) {
-    const __m512 d = _mm512_set1_ps(f16_hw(b));
+  GGUF_AVX512 static Prep prepare(const uint8_t* b) {
+    const __m512 d = _mm512_set1_ps(f16_hw(b)), iota = iota16();
     uint32_t qh;
     std::memcpy(&qh, b + 2, sizeof qh);
     return {_mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.0f))), _mm512_mul_ps(d, iota), qh};
@@ -107,7 +111,7 @@ struct Q8_0 {
   struct Prep {
     __m512 d;
   };
-  GGUF_AVX512 static Prep prepare(const uint8_t* b, __m512) { return {_mm512_set1_ps(f16_hw(b))}; }
+  GGUF_AVX512 static Prep prepare(const uint8_t* b) { return {_mm512_set1_ps(f16_hw(b))}; }
   GGUF_AVX512 static void group(const uint8_t* b, const Prep& p, int, __m512* w) {
     for (int v = 0; v < 2; ++v)
       w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * v)))), p.d);
@@ -118,23 +122,12 @@ struct Q8_0 {
 // codes (32 bytes per pair of sub-blocks: low nibbles the first, high nibbles the second).
 struct Q4_K {
   static constexpr int QK = 256, BYTES = 144, GW = 64;
-  static void scales(const uint8_t* s, int j, int& sc, int& mn) {  // ggml's get_scale_min_k4
-    if (j < 4) {
-      sc = s[j] & 63;
-      mn = s[j + 4] & 63;
-    } else {
-      sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-  }
   static void decode(const uint8_t* b, float* w) {  // w = (d * sc) * q - dmin * m per sub-block
     const float d = f16_at(b), dmin = f16_at(b + 2);
+    const ScalesMins u = q4k_scales_mins(b + 4);
     for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      scales(b + 4, j, sc, mn);
-      const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(mn);
-      const uint8_t* q = b + 16 + 32 * (j / 2);
-      for (int i = 0; i < 32; ++i) w[32 * j + i] = scale * static_cast<float>((q[i] >> (4 * (j % 2))) & 0xF) - offset;
+      const float scale = d * static_cast<float>(u.byte(j)), offset = dmin * static_cast<float>(u.byte(8 + j));
+      for (int i = 0; i < 32; ++i) w[32 * j + i] = scale * static_cast<float>(q4k_code(b, 32 * j + i)) - offset;
     }
   }
   // The 8 scales d * sc and 8 offsets dmin * m as one 16-lane product (llama.cpp's unpacking of
@@ -143,7 +136,7 @@ struct Q4_K {
   struct Prep {
     alignas(64) float scale_offset[16];
   };
-  GGUF_AVX512 static Prep prepare(const uint8_t* b, __m512) {
+  GGUF_AVX512 static Prep prepare(const uint8_t* b) {
     const ScalesMins u = q4k_scales_mins(b + 4);
     const __m128i bytes = _mm_setr_epi32(static_cast<int>(u.word[0]), static_cast<int>(u.word[1]), static_cast<int>(u.word[2]),
                                          static_cast<int>(u.word[3]));
@@ -154,7 +147,7 @@ struct Q4_K {
     return p;
   }
   GGUF_AVX512 static void group(const uint8_t* b, const Prep& p, int g, __m512* w) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 iota = iota16();
     const __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(p.scale_offset[2 * g]), iota), _mm512_set1_ps(p.scale_offset[8 + 2 * g]));
     const __m512 t1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(p.scale_offset[2 * g + 1]), iota),
                                     _mm512_set1_ps(p.scale_offset[9 + 2 * g]));
@@ -174,21 +167,17 @@ struct Q4_K {
 struct Q6_K {
   static constexpr int QK = 256, BYTES = 210, GW = 128;
   static void decode(const uint8_t* b, float* w) {
-    const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = f16_at(b + 208);
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < 4; ++t)
-        for (int i = 0; i < 32; ++i) {
-          const int k = 128 * h + 32 * t + i;
-          const int q = ((ql[64 * h + 32 * (t & 1) + i] >> (4 * (t >> 1))) & 0xF) | (((qh[32 * h + i] >> (2 * t)) & 3) << 4);
-          w[k] = (d * static_cast<float>(sc[k / 16])) * static_cast<float>(q - 32);
-        }
+    for (int j = 0; j < 16; ++j) {
+      const float scale = d * static_cast<float>(sc[j]);
+      for (int i = 0; i < 16; ++i) w[16 * j + i] = scale * static_cast<float>(q6k_code(b, 16 * j + i) - 32);
+    }
   }
   struct Prep {
     alignas(64) float scale[16];
   };
-  GGUF_AVX512 static Prep prepare(const uint8_t* b, __m512) {
+  GGUF_AVX512 static Prep prepare(const uint8_t* b) {
     Prep p;
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
     _mm512_store_ps(p.scale, _mm512_mul_ps(_mm512_set1_ps(f16_hw(b + 208)), sc));
@@ -215,10 +204,6 @@ struct Q6_K {
   }
 };
 
-GGUF_AVX512 inline __m512 iota16() {
-  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
 // NR output rows (weight rows w + r * row_bytes) times MR input rows: acc[r][m][v & 1] += w_v * x_v
 // in k order; y[m][n] = reduce(acc[r][m][0] + acc[r][m][1]) (+ bias).
 template <typename F, int NR, int MR>
@@ -228,12 +213,11 @@ GGUF_AVX512 void gguf_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
   __m512 acc[NR][MR][2];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_ps();
-  const __m512 iota = iota16();
   for (int64_t blk = 0; blk < K / F::QK; ++blk) {
     for (int r = 0; r < NR; ++r) {
       const uint8_t* b = w + r * row_bytes + blk * F::BYTES;
       for (int line = 0; line < F::BYTES; line += 64) prefetch_ahead(b + line);
-      const typename F::Prep p = F::prepare(b, iota);
+      const typename F::Prep p = F::prepare(b);
       for (int g = 0; g < F::QK / F::GW; ++g) {
         __m512 wv[V];
         F::group(b, p, g, wv);
@@ -278,7 +262,7 @@ __attribute__((target("avx2,fma"))) void gguf_rows_avx2(const float* x, int64_t 
 // One block's weights as the AVX-512 kernel decodes them (the weights the kernel multiplies).
 template <typename F>
 GGUF_AVX512 void decode_avx512(const uint8_t* b, float* dst) {
-  const typename F::Prep p = F::prepare(b, iota16());
+  const typename F::Prep p = F::prepare(b);
   for (int g = 0; g < F::QK / F::GW; ++g) {
     __m512 wv[F::GW / 16];
     F::group(b, p, g, wv);

@@ -1,5 +1,6 @@
 // What the GGUF kernels (gguf.cpp: exact fp32; gguf_q8.cpp: int8 activations) share about the
-// block formats: fp16 scales read exactly, Q4_K's 6-bit scales and mins unpacked.
+// block formats: fp16 scales read exactly, Q4_K's 6-bit scales and mins unpacked, and the k-quant
+// codes of weight k of a block as the scalar paths read them.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +50,20 @@ inline ScalesMins q4k_scales_mins(const uint8_t* scales) {
   const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, low2 = 0x03030303u;
   return {{u[0] & low6, (u[2] & low4) | (((u[0] >> 6) & low2) << 4), u[1] & low6,
            ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)}};
+}
+
+// Q4_K: the 4-bit code of weight k (sub-block j = k / 32: low nibbles of the 32-byte chunk j / 2
+// for even j, high nibbles for odd j). b is the block.
+inline int q4k_code(const uint8_t* b, int k) {
+  const int j = k / 32;
+  return (b[16 + 32 * (j / 2) + k % 32] >> (4 * (j % 2))) & 0xF;
+}
+
+// Q6_K: the 6-bit code (0..63) of weight k = 128 h + 32 t + i: low bits from ql[64 h + 32 (t & 1)
+// + i] (nibble t >> 1), high bits from qh[32 h + i] (bits 2t, 2t + 1). b is the block.
+inline int q6k_code(const uint8_t* b, int k) {
+  const int h = k / 128, t = (k % 128) / 32, i = k % 32;
+  return ((b[64 * h + 32 * (t & 1) + i] >> (4 * (t >> 1))) & 0xF) | (((b[128 + 32 * h + i] >> (2 * t)) & 3) << 4);
 }
 
 }  // namespace cascade_native

@@ -75,9 +75,8 @@ float q4k_block_scalar(const uint8_t* b, const int8_t* xq, float dx, const int16
   int64_t I = 0, Mn = 0;
   for (int p = 0; p < 8; ++p) {  // piece p of xq is sub-block Q4K_PIECE[p]
     const int j = Q4K_PIECE[p];
-    const uint8_t* codes = b + 16 + 32 * (j / 2);
     int64_t dot = 0;
-    for (int i = 0; i < 32; ++i) dot += ((codes[i] >> (4 * (j % 2))) & 0xF) * xq[32 * p + i];
+    for (int i = 0; i < 32; ++i) dot += q4k_code(b, 32 * j + i) * xq[32 * p + i];
     I += u.byte(j) * dot;
     Mn += u.byte(8 + j) * (bs16[2 * j] + bs16[2 * j + 1]);
   }
@@ -87,16 +86,11 @@ float q4k_block_scalar(const uint8_t* b, const int8_t* xq, float dx, const int16
 }
 
 float q6k_block_scalar(const uint8_t* b, const int8_t* xq, float dx, const int16_t* bs16) {
-  const uint8_t *ql = b, *qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   int64_t I = 0;
   for (int j = 0; j < 16; ++j) {
     int64_t dot = 0;
-    for (int i = 0; i < 16; ++i) {
-      const int k = 16 * j + i, h = k / 128, t = (k % 128) / 32, c = k % 32;
-      const int q = ((ql[64 * h + 32 * (t & 1) + c] >> (4 * (t >> 1))) & 0xF) | (((qh[32 * h + c] >> (2 * t)) & 3) << 4);
-      dot += q * xq[k];
-    }
+    for (int i = 0; i < 16; ++i) dot += q6k_code(b, 16 * j + i) * xq[16 * j + i];
     I += sc[j] * (dot - 32 * bs16[j]);
   }
   const float dd = f16_at(b + 208) * dx;
