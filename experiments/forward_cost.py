@@ -265,7 +265,7 @@ def main() -> None:
             lms[name].use_forward(None)
         elif lean == "ops":  # the lean forward one Python call per operation: what the two-call layers save
             lms[name].use_forward(LeanDecoder(lms[name].model, fused_layers=False))
-        if name in ("gguf", "gguf_q8"):  # the file's own bytes per weight (its formats' mix)
+        if lms[name].backend.from_gguf_file:  # the file's own bytes per weight (its formats' mix)
             BYTES_PER_WEIGHT[name] = gguf_linear_bytes(lms[name]) / linear_params(lms[name])
             print(f"gguf: the linears hold {gguf_linear_bytes(lms[name]) / 1e9:.3f} GB of the file's blocks "
                   f"({BYTES_PER_WEIGHT[name]:.3f} bytes per weight)")

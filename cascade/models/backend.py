@@ -45,6 +45,12 @@ class Backend:
     def quantized(self) -> bool:
         return self.name in QUANTIZED
 
+    @property
+    def from_gguf_file(self) -> bool:
+        """Whether the weights are a GGUF file's own blocks (``gguf``, ``gguf_q8``): applied from
+        the file, not from the loaded modules."""
+        return self.linears in ("gguf", "gguf_q8")
+
     def __str__(self) -> str:
         return self.name
 

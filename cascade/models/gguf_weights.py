@@ -9,7 +9,7 @@ So the model is the file's real-valued model, whatever copy transformers built t
 a parameter the file does not provide is an error, never a silent 16-bit leftover.
 
 An F32 / F16 tensor (a file that does not quantize some layer) keeps an exact fp32 ``nn.Linear``;
-a block type without a kernel is an error naming it (``GGUF_KERNELS`` lists those with one).
+a block type without a kernel is an error naming it (the extension's own list: ``csrc/gguf.cpp``).
 
 The ``gguf_q8`` backend is the same with llama.cpp's kind of arithmetic for the k-quants: Q4_K /
 Q6_K layers multiply activations quantized per 256 to int8 with integer sums
@@ -24,14 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader
 from torch import nn
 
 from cascade.models.native import NativeLinear, native_kernels, unavailable_reason
 
 log = logging.getLogger(__name__)
-
-# ggml block types with a native kernel (csrc/gguf.cpp): name -> ggml type number
-GGUF_KERNELS = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 # a decoder layer's tensors in the file -> the module path under model.layers[i]
 _LAYER_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -66,8 +64,11 @@ class FileTensor:
         return _ext().dequantize_gguf(self.check_kernel(), self.qtype, self.k)
 
     def check_kernel(self) -> torch.Tensor:
-        if self.type_name not in GGUF_KERNELS:
-            raise ValueError(f"GGUF block type {self.type_name} has no native kernel (supported: {', '.join(GGUF_KERNELS)}, F32, F16)")
+        """The blocks, when the extension has a kernel for their type (it alone says which)."""
+        try:
+            _ext().gguf_block_weights(self.qtype)
+        except RuntimeError as exc:
+            raise ValueError(f"GGUF tensor of type {self.type_name}: {exc} (F32 and F16 tensors stay exact fp32)") from exc
         return self.data
 
     def rows_permuted(self, heads: int) -> "FileTensor":
@@ -105,7 +106,7 @@ class NativeGGUFLinear(NativeLinear):
         return _ext().dequantize_gguf(self.blocks, self.qtype, self.in_features)
 
     def extra_repr(self) -> str:
-        name = next(k for k, v in GGUF_KERNELS.items() if v == self.qtype)
+        name = GGMLQuantizationType(self.qtype).name
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={name}"
 
 
@@ -175,9 +176,7 @@ class _FileWeights:
     which of the model's parameters got the file's values."""
 
     def __init__(self, path: Path, int8_activations: bool) -> None:
-        from gguf import GGUFReader  # the ecosystem's reader (an install requirement of transformers' GGUF loading)
-
-        reader = GGUFReader(str(path))
+        reader = GGUFReader(str(path))  # the ecosystem's reader
         self.path, self.int8_activations = path, int8_activations
         self.tensors = {t.name: FileTensor(t) for t in reader.tensors}
         field = reader.fields.get("general.architecture")

@@ -15,7 +15,7 @@ from cascade.models import zoo
 from cascade.models.backend import QUANTIZED, Backend, backend_named, from_legacy
 from cascade.models.cpu_kernels import use_fp16_weight_linears, use_onednn_linears
 from cascade.models.devices import resolve_device
-from cascade.models.gguf_weights import NativeGGUFLinear, use_gguf_weights
+from cascade.models.gguf_weights import use_gguf_weights
 from cascade.models.lean import attach_lean
 from cascade.models.lm import CausalLM
 from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
@@ -87,12 +87,9 @@ def load_model(
     key = (str(name_or_path), chosen.name, str(device))
     if _shared is not None and key in _shared:
         return _shared[key]
-    source_file = gguf_source(name_or_path) if chosen.linears in ("gguf", "gguf_q8") else None  # checked before loading
+    gguf_file = gguf_source(name_or_path) if chosen.from_gguf_file else None  # checked before loading
     lm = _load(name_or_path, chosen, device)
-    if source_file is not None:
-        use_gguf_weights(lm.model, source_file, int8_activations=chosen.linears == "gguf_q8")
-        attach_lean(lm)
-    apply_backend(lm, chosen)
+    apply_backend(lm, chosen, gguf_file)
     if _shared is not None:
         _shared[key] = lm
     return lm
@@ -116,15 +113,18 @@ def quantized_copy(lm: CausalLM, method: str = "auto") -> CausalLM:
     return copy_lm
 
 
-def apply_backend(lm: CausalLM, backend: Backend) -> None:
+def apply_backend(lm: CausalLM, backend: Backend, gguf_file: Path | None = None) -> None:
     """Replace ``lm``'s linear layers as ``backend`` says (the one place a backend is applied;
-    transformers already loaded the parameters in ``backend.dtype``)."""
+    transformers already loaded the parameters in ``backend.dtype``). A GGUF backend replaces
+    every weight by ``gguf_file``'s (:func:`gguf_source`)."""
     kind = backend.linears
     if kind is None or kind == "nf4":  # torch's modules (nf4: bitsandbytes quantized while loading)
         return
-    if kind in ("gguf", "gguf_q8"):  # the file's blocks, placed while loading (load_model): nothing to swap
-        if not any(isinstance(m, NativeGGUFLinear) for m in lm.model.modules()):
-            raise ValueError(f"backend {kind!r} is applied while loading from a GGUF file (load_model({lm.name!r}, backend={kind!r}))")
+    if backend.from_gguf_file:
+        if gguf_file is None:
+            raise ValueError(f"backend {kind!r} reads a GGUF file (load_model(zoo name or .gguf path, backend={kind!r}))")
+        use_gguf_weights(lm.model, gguf_file, int8_activations=kind == "gguf_q8")
+        attach_lean(lm)
         return
     if kind == "onednn":
         use_onednn_linears(lm.model)
@@ -151,7 +151,7 @@ def apply_backend(lm: CausalLM, backend: Backend) -> None:
 
 
 def gguf_source(name_or_path: str | Path) -> Path:
-    """The GGUF file backend 'gguf' reads for ``name_or_path``: a zoo model's (fetched), or the
+    """The GGUF file the GGUF backends read for ``name_or_path``: a zoo model's (fetched), or the
     path itself."""
     text = str(name_or_path)
     if text in zoo.ZOO:
@@ -161,7 +161,7 @@ def gguf_source(name_or_path: str | Path) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
         return path
-    raise ValueError(f"backend 'gguf' needs a zoo model ({', '.join(sorted(zoo.ZOO))}) or a .gguf file, got {text!r}")
+    raise ValueError(f"a GGUF backend needs a zoo model ({', '.join(sorted(zoo.ZOO))}) or a .gguf file, got {text!r}")
 
 
 def _load(name_or_path: str | Path, backend: Backend, device: torch.device) -> CausalLM:
