@@ -32,8 +32,7 @@ namespace cascade_native {
 namespace {
 
 // AVX-512 code here also converts fp16 scales with F16C (every AVX-512 CPU has it): the scalar
-// bit-level conversion, called once per 32-weight block, cost the legacy formats ~20% of a
-// one-row call.
+// bit-level conversion runs once per 32-weight block in the legacy formats, on the hot path.
 #define GGUF_AVX512 __attribute__((target("avx512f,f16c")))
 
 GGUF_AVX512 inline float f16_hw(const uint8_t* p) {
@@ -271,10 +270,9 @@ GGUF_AVX512 void decode_avx512(const uint8_t* b, float* dst) {
 }
 
 // Input rows per block: on AVX-512 up to 8 (a decoded weight group feeds them all: with 4 the
-// decode took as many instructions as the FMAs; Q4_K's 1536 x 8960 layer at 8 rows 0.78 ms
-// against 0.99-1.35), 4 for Q6_K (its group is 8 weight vectors: more rows' accumulators beside
-// them were slower, 1.33 ms against 0.99 at 8 rows); an M-row call in balanced blocks (13 ->
-// 7 + 6). AVX2: 4.
+// decode takes as many instructions as the FMAs), 4 for Q6_K (its group is 8 weight vectors,
+// beside which more rows' accumulators do not fit the registers); an M-row call in balanced
+// blocks (13 -> 7 + 6). AVX2: 4. Timings per layer and row count: experiments/gguf_layers.py.
 constexpr int GGUF_MR_AVX2 = 4;
 template <typename F>
 constexpr int gguf_mr() { return F::GW > 64 ? 4 : 8; }
