@@ -12,10 +12,9 @@ matches it on every prompt; a batched verification that is not row-invariant may
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
-from pathlib import Path
+
+from analysis.summaries import each_run
 
 
 @dataclass(frozen=True)
@@ -50,11 +49,7 @@ def self_consistency(summary: dict) -> list[SelfConsistency]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path)
-    args = ap.parse_args()
-    for run in args.runs:
-        summary = json.loads((run / "summary.json").read_text())
+    for run, summary in each_run(__doc__):
         for row in self_consistency(summary):
             where = ", ".join(f"{pid} at {j}" for pid, j in row.differing) or "none"
             print(f"{run.name}: {row.method} vs {row.baseline}: {row.prompts - len(row.differing)}/{row.prompts} prompts "

@@ -7,9 +7,7 @@ its speedups and how many prompts' greedy output equals the baseline's.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+from analysis.summaries import each_run
 
 
 def throughput_rows(summary: dict) -> list[tuple]:
@@ -24,14 +22,11 @@ def throughput_rows(summary: dict) -> list[tuple]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path)
-    args = ap.parse_args()
-    for run in args.runs:
+    for run, summary in each_run(__doc__):
         print(run)
         print("| method | τ | tok/s whole | tok/s decode | speedup whole | decode | same as `ar` |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
-        for name, tau, whole, decode, speedup, dspeed, same in throughput_rows(json.loads((run / "summary.json").read_text())):
+        for name, tau, whole, decode, speedup, dspeed, same in throughput_rows(summary):
             print(f"| {name} | {'-' if tau is None else f'{tau:.2f}'} | {whole:.1f} | {decode:.1f} | {speedup:.2f}x | {dspeed:.2f}x | {same} |")
 
 
