@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from cascade.results import load_jobs
-from cascade.tree import depths_of
+from cascade.tree_structure import depths_of
 
 
 def contained_chains(methods: dict) -> dict[str, list[str]]:

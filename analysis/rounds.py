@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from cascade.metrics import decode_speedup
 from cascade.results import load_jobs
-from cascade.tree import children_of, depths_of
+from cascade.tree_structure import children_of, depths_of
 
 
 def round_parts(steps: list[dict]) -> dict[str, dict[str, float]]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from cascade.costs import decode_clock
-from cascade.drafters.base import Drafter, shared_hidden_layer
+from cascade.drafters.base import ChecksTarget, Drafter, DraftStart, Outcome, SharesCache, check_target, shared_hidden_layer
 from cascade.drafters.lm_base import LMDrafter
 from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.sampling import logits_to_probs, one_hot_rows
@@ -33,7 +33,7 @@ from cascade.types import CascadeStats, DraftBlock, DrafterInfo, LevelStats, Sam
 from cascade.verify import EXACT, Verifier, verifier_named
 
 
-class VerticalCascade(Drafter):
+class VerticalCascade(Drafter, ChecksTarget):
     """Level 1 drafts with speculative decoding, using the rest of the levels as its drafter.
 
     levels: ``[top, lower_1, lower_2, ...]``. ``top`` must be an ``LMDrafter`` (a small LM, a
@@ -74,25 +74,17 @@ class VerticalCascade(Drafter):
 
     def check_compatible(self, target: CausalLM) -> None:
         self.top.check_compatible(target)
-        self.lower.check_compatible(self.top.scores_vocabulary_of(target))  # the lower level drafts for the top's model
+        check_target(self.lower, self.top.scores_vocabulary_of(target))  # the lower level drafts for the top's model
 
-    def bind(self, target: CausalLM, cache) -> None:
-        self.top.bind(target, cache)  # the lower level is bound to the top's model in reset()
-
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        super().reset(sampling, generator)
-        self.top.reset(sampling, generator)
+    def start(self, run: DraftStart) -> None:
+        super().start(run)
+        self.top.start(run)
         # The lower level drafts for the top's model: a self-drafting lower level (a layer skip
         # of the top's model) shares the top's cache (the target's, when the top is itself a
-        # layer skip). The top's reset may have made a new cache, hence binding here.
-        shared = self.top.draft_cache()
-        if shared is not None:
-            self.lower.bind(*shared)
-        self.lower.reset(sampling, generator)
-
-    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
-        self.top.prefill(prompt, hidden)
-        self.lower.prefill(prompt)
+        # layer skip), which the top's start has just made and filled with the prompt.
+        shared = self.top.draft_cache() if isinstance(self.top, SharesCache) else None
+        model, cache = shared if shared is not None else (self.top.scores_vocabulary_of(run.target), None)
+        self.lower.start(DraftStart(model, cache, run.prompt, run.sampling, run.generator))
 
     def _inner_round(self, ctx: list[int], budget: int, deterministic: bool, lower: dict[str, LevelStats]):
         """One speculative round of the top level over the lower level's draft: the lower level's
@@ -110,7 +102,7 @@ class VerticalCascade(Drafter):
         sampling = SamplingConfig() if deterministic else self.sampling
         result = self.verifier.accept(block, logits, sampling, self.generator)
         emitted = block.tokens.tolist()[: result.num_accepted] + [result.next_token]
-        self.lower.observe(ctx + emitted, result, scored=Scored([ctx[-1]] + block.tokens.tolist(), logits))
+        self.lower.observe(Outcome(ctx + emitted, result, scored=Scored([ctx[-1]] + block.tokens.tolist(), logits)))
         if block.k:  # a nested cascade reports its own top level's time, without its levels'
             own = block.cascade
             name, own_time = (own.top, own.top_time_s) if own is not None else (self.lower.name, t1 - t0)
@@ -142,12 +134,11 @@ class VerticalCascade(Drafter):
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name,
                           cascade=CascadeStats(self.top.name, top_time, lower))
 
-    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
-        self.top.observe(context, result, verify_time_s, hidden, scored)
+    def observe(self, outcome: Outcome) -> None:
+        self.top.observe(outcome)
 
 
-class HorizontalCascade(Drafter):
+class HorizontalCascade(Drafter, ChecksTarget):
     """A position-dependent schedule: ``[(drafter, n_tokens), ...]`` fills a draft left to right.
 
     A drafter that returns fewer tokens than its share (an n-gram drafter without a match)
@@ -175,20 +166,12 @@ class HorizontalCascade(Drafter):
 
     def check_compatible(self, target: CausalLM) -> None:
         for drafter, _ in self.schedule:
-            drafter.check_compatible(target)
+            check_target(drafter, target)
 
-    def bind(self, target: CausalLM, cache) -> None:
+    def start(self, run: DraftStart) -> None:
+        super().start(run)
         for drafter, _ in self.schedule:
-            drafter.bind(target, cache)
-
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        super().reset(sampling, generator)
-        for drafter, _ in self.schedule:
-            drafter.reset(sampling, generator)
-
-    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
-        for drafter, _ in self.schedule:
-            drafter.prefill(prompt, hidden if drafter.hidden_layer is not None else None)
+            drafter.start(run.part(drafter))
 
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         budget = min(budget, self.k)
@@ -210,10 +193,9 @@ class HorizontalCascade(Drafter):
             segments.append(block)
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), _stack_q(segments), self.name, segments=spans)
 
-    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
+    def observe(self, outcome: Outcome) -> None:
         for drafter, _ in self.schedule:
-            drafter.observe(context, result, verify_time_s, hidden if drafter.hidden_layer is not None else None, scored)
+            drafter.observe(outcome.part(drafter))
 
 
 def _stack_q(segments: list[DraftBlock]) -> torch.Tensor | None:

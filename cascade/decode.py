@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cascade.costs import ForwardShape, VirtualClock, running_on
-from cascade.drafters.base import Drafter
+from cascade.drafters.base import Drafter, DraftStart, Outcome, check_target
 from cascade.metrics import summarize
 from cascade.models.lm import CausalLM, observe_forwards
 from cascade.sampling import make_generator
@@ -39,7 +39,7 @@ class Generation:
     prefill_time_s: float  # the target's prefill of the prompt
     stop_reason: str  # "eos" | "max_new_tokens"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    drafter_prefill_time_s: float = 0.0  # the drafter's catch-up on the prompt (Drafter.prefill)
+    drafter_prefill_time_s: float = 0.0  # the drafter's catch-up on the prompt (Drafter.start)
     clock: str = "measured"  # "measured" (wall clock) or "predicted:<device>": every time above is a prediction
     forward_shapes: dict[str, ForwardShape] = field(default_factory=dict)  # each model that ran, as a roofline sees it
 
@@ -139,7 +139,7 @@ def generate(
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     gen = generator if generator is not None else make_generator(seed, target.device)
     if drafter is not None:
-        drafter.check_compatible(target)
+        check_target(drafter, target)
         if drafter.drafts_trees and not verifier.trees:
             raise ValueError(f"{drafter.name} drafts token trees, which this verification rule cannot judge "
                              "(block verification judges chains): use traversal verification (verify=traversal)")
@@ -222,16 +222,13 @@ def _prefill(loop: _Loop, prompt: list[int]) -> tuple[float, float]:
     up on the prompt (its own cache, or the target's hidden states it asked for). Returns the
     times the target's and the drafter's prefills ended."""
     loop.cache = loop.target.new_cache()
-    if loop.drafter is not None:
-        loop.drafter.bind(loop.target, loop.cache)
-        loop.drafter.reset(loop.sampling, loop.gen)
     hidden = None
     if len(prompt) > 1:
         out = loop.target.forward(prompt[:-1], loop.cache, keep_last=1, return_hidden=loop.hidden_layer)
         hidden = out[1] if loop.hidden_layer is not None else None
     t_prefilled = loop.now()
     if loop.drafter is not None:
-        loop.drafter.prefill(prompt, hidden=hidden)
+        loop.drafter.start(DraftStart(loop.target, loop.cache, list(prompt), loop.sampling, loop.gen, hidden))
     t_ready = loop.now()
     loop.recorder.take()  # the prefills' forwards are not a step's
     return t_prefilled, t_ready
@@ -266,8 +263,8 @@ def _step(loop: _Loop, seq: list[int], room: int, index: int) -> tuple[StepRecor
     # 5. observe: the drafter learns what was accepted, the forward's time, its inputs and
     #    logits, and (if it asked) the target's hidden states at the committed positions
     if drafter is not None:
-        drafter.observe(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep],
-                        scored=Scored([root] + draft, logits))
+        drafter.observe(Outcome(seq, result, verify_time_s=t2 - t1, hidden=None if hidden is None else hidden[keep],
+                                scored=Scored([root] + draft, logits)))
     if loop.clock is not None:
         loop.clock.host(loop.clock.device.host_step_s)
     t3 = now()

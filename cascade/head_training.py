@@ -43,6 +43,7 @@ from cascade.data import CONTINUATIONS, QA_SETS, corpus, has_chat_template, qa_p
 from cascade.drafters.base import Drafter
 from cascade.models.draft_head import DraftHead
 from cascade.models.layers import decoder_parts
+from cascade.metrics import Top1Agreement
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
 
 FEATURES_FORMAT = "cascade.head_features/1"
@@ -281,13 +282,11 @@ def chunk_loss(head: DraftHead, lm: CausalLM, chunk: Chunk, head_rows: torch.Ten
 def agreement(head: DraftHead, lm: CausalLM, chunks: list[Chunk], head_rows: torch.Tensor, vocab: torch.Tensor | None,
               depths: int = 4) -> list[float]:
     """Top-1 agreement with the target's greedy token (full vocabulary) at draft depths 1..``depths``."""
-    hits, counts = [0] * depths, [0] * depths
+    agree = [Top1Agreement() for _ in range(depths)]
     target_head = decoder_parts(lm).head
     for c in chunks:
         want = target_head(c.teacher.to(lm.device, lm.dtype)).argmax(-1)[1:]  # [n] the target's argmax at u+1
         for d, out in enumerate(unroll(head, lm, c, depths)):
             got = head.train_logits(out[d:], head_rows).argmax(-1)
-            got = vocab.to(got.device)[got] if vocab is not None else got
-            hits[d] += int((got == want[d:]).sum())
-            counts[d] += got.numel()
-    return [h / max(n, 1) for h, n in zip(hits, counts)]
+            agree[d].add(vocab.to(got.device)[got] if vocab is not None else got, want[d:])
+    return [a.rate for a in agree]

@@ -44,10 +44,29 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from cascade.summary import Decomposition, HeldOut, LevelSummary, RunStats, TreeDrafterSummary
 from cascade.theory import expected_tokens_per_position, predicted_speedup
 from cascade.types import LevelStats
+
+
+@dataclass
+class Top1Agreement:
+    """How often a drafter's argmax equals the target's over held-out positions (a trained head's
+    or exit adapter's greedy α of a one-token draft): ``rate`` = agreeing positions / positions."""
+
+    hits: int = 0
+    positions: int = 0
+
+    def add(self, drafted, target) -> None:
+        """``drafted``, ``target``: [n] token-id tensors at the same n positions."""
+        self.hits += int((drafted == target).sum())
+        self.positions += drafted.numel()
+
+    @property
+    def rate(self) -> float:
+        return self.hits / max(self.positions, 1)
 
 
 def summarize(generations: list) -> RunStats:

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from cascade.data import load_prompts
-from cascade.metrics import write_json_atomic
+from cascade.metrics import Top1Agreement, write_json_atomic
 from cascade.models import load_model
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import decoder_parts, dense_weight
@@ -76,18 +76,16 @@ def training_vocab(chunks: list[dict], head_w: torch.Tensor, topk: int) -> torch
 def agreement(lm, adapter: ExitAdapter | None, chunks: list[dict], head_w: torch.Tensor) -> float:
     """Full-vocabulary top-1 agreement with the target on ``chunks`` (plain exit when adapter is None)."""
     norm = decoder_parts(lm).norm
-    hits = total = 0
+    agree = Top1Agreement()
     with torch.no_grad():
         for c in chunks:
-            want = (c["h_final"] @ head_w.T).argmax(-1)
             h = c["h_exit"]
             if adapter is None:
                 out = norm(h.to(lm.dtype)).float()  # the plain early exit: final norm + head
             else:
                 out = adapter(lm, h, torch.arange(h.shape[0])).float()
-            hits += int(((out @ head_w.T).argmax(-1) == want).sum())
-            total += h.shape[0]
-    return hits / total
+            agree.add((out @ head_w.T).argmax(-1), (c["h_final"] @ head_w.T).argmax(-1))
+    return agree.rate
 
 
 def _fit(adapter: ExitAdapter, lm, train_chunks: list, w_s: torch.Tensor, t, ckpt: Path, progress: bool) -> list[float]:

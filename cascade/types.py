@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cascade.tree import chain_parents, depths_of, is_chain
+from cascade.tree_structure import chain_parents, depths_of, is_chain
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class DraftBlock:
     """Tokens a drafter proposes below the last committed token: a chain or a token tree.
 
     ``parents[i]`` is node i's parent (-1: a child of the last committed token; parents before
-    children; see ``cascade.tree``); a chain has ``[-1, 0, 1, ...]``, the default. ``q`` holds,
+    children; see ``cascade.tree_structure``); a chain has ``[-1, 0, 1, ...]``, the default. ``q`` holds,
     row by row, the distribution each token was *actually* sampled from (after the run's
     temperature/top-k/top-p). ``q is None`` means every token was chosen deterministically
     (argmax, n-gram lookup): the verifier then treats each row as one-hot on the drafted token,

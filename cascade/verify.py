@@ -20,7 +20,7 @@ accepted / recovered / bonus
     the extra token drawn from ``p`` after the last accepted draft token when it is a leaf (for a
     chain of ``k``: ``p[k]``, 0-based, when all ``k`` are kept).
 
-Every draft is a token tree (``cascade.tree``); a chain is the tree with parents ``[-1, 0, 1,
+Every draft is a token tree (``cascade.tree_structure``); a chain is the tree with parents ``[-1, 0, 1,
 ...]``, so one rule serves chains, trees and the inner rounds of a vertical cascade.
 
 Greedy (:func:`accept_greedy`): walk down from the root, following the child equal to the
@@ -90,7 +90,7 @@ import torch
 
 from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.sampling import logits_to_probs, one_hot_rows, sample
-from cascade.tree import children_of, depths_of, is_chain, path_to, tree_inputs
+from cascade.tree_structure import children_of, depths_of, is_chain, path_to, tree_inputs
 from cascade.types import ACCEPTED, REJECTED, UNJUDGED, DraftBlock, SamplingConfig, VerifyResult
 
 
@@ -343,7 +343,7 @@ def committed_inputs(result: VerifyResult) -> list[int]:
 @dataclass(frozen=True)
 class Verifier:
     """How a draft is shown to the target and judged: ``inputs(parents, past, dtype)`` (tree
-    positions and mask, ``cascade.tree.tree_inputs``), and the acceptance rules
+    positions and mask, ``cascade.tree_structure.tree_inputs``), and the acceptance rules
     ``greedy(tokens, parents, argmax)`` and ``sampled(tokens, parents, q, p, generator)``.
     Replace one to study (or test) another rule. ``kept(result)``: the inputs the target's cache
     keeps after the forward (:func:`committed_inputs`), applied by :meth:`commit`. ``trees``:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from cascade.tree import chain_parents
+from cascade.tree_structure import chain_parents
 from cascade.types import DraftBlock, SamplingConfig
 from cascade.verify import EXACT
 

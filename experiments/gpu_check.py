@@ -51,7 +51,7 @@ from cascade.cascades import VerticalCascade  # noqa: E402
 from cascade.data import BUILTIN, encode_prompt  # noqa: E402
 from cascade.drafters import NGramDrafter, QuantizedLMDrafter, SmallLMDrafter  # noqa: E402
 from cascade.evaluate import TransformersGenerate, divergences  # noqa: E402
-from cascade.tree_drafter import TreeDrafter  # noqa: E402
+from cascade.trees.drafter import TreeDrafter  # noqa: E402
 from cascade.trees import DynamicTreePolicy, StaticTreePolicy  # noqa: E402
 from cascade.types import SamplingConfig  # noqa: E402
 

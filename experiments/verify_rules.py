@@ -32,7 +32,7 @@ from cascade.metrics import write_json_atomic
 from cascade.models import load_model
 from cascade.results import load_jobs
 from cascade.run import build_method, method_configs, validate, verify_rule
-from cascade.tree import is_chain
+from cascade.tree_structure import is_chain
 from cascade.verify import Verifier, accept_sampled, expected_accepted
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

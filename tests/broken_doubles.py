@@ -45,7 +45,7 @@ from cascade.cascades import VerticalCascade
 from cascade.drafters import SmallLMDrafter
 from cascade.drafters.cross_tokenizer import CrossTokenizerDrafter
 from cascade.sampling import logits_to_probs, sample
-from cascade.tree import children_of, is_chain, tree_positions
+from cascade.tree_structure import children_of, is_chain, tree_positions
 from cascade.trees import StaticTreePolicy
 from cascade.types import ACCEPTED, REJECTED, UNJUDGED, DraftBlock, SamplingConfig, VerifyResult
 from cascade.verify import Verifier, residual_distribution
@@ -208,10 +208,9 @@ class _MisreportingDrafter(SmallLMDrafter):
         super().__init__(model, k=k)
         self.scorer = SmallLMDrafter(scorer_model, k=k)
 
-    def reset(self, sampling, generator):
-        super().reset(sampling, generator)
-        if hasattr(self, "scorer"):
-            self.scorer.reset(sampling, generator)
+    def start(self, run):
+        super().start(run)
+        self.scorer.start(run)  # its own cache, caught up on the same prompt
 
     def reported_q(self, logits):
         raise NotImplementedError

@@ -40,7 +40,7 @@ from transformers.generation.logits_process import (
 )
 
 from cascade import generate
-from cascade.tree import children_of
+from cascade.tree_structure import children_of
 from stat_utils import chi_square_pvalue as _chi2
 
 LEVEL = 1e-3  # family-wise false-alarm level of one test (over its pairs)

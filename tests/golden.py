@@ -27,7 +27,7 @@ from cascade import generate  # noqa: E402
 from cascade.cascades import HorizontalCascade, VerticalCascade  # noqa: E402
 from cascade.drafters import LayerSkipDrafter, NGramDrafter, SmallLMDrafter, TokenRecyclingDrafter  # noqa: E402
 from cascade.models import perturbed_copy, tiny_llama  # noqa: E402
-from cascade.tree_drafter import TreeDrafter  # noqa: E402
+from cascade.trees.drafter import TreeDrafter  # noqa: E402
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy  # noqa: E402
 
 FILES = {"tiny": HERE / "golden" / "tiny.json", "real": HERE / "golden" / "real.json"}

@@ -12,6 +12,7 @@ from cascade.drafters import NGramDrafter, SmallLMDrafter
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.types import SamplingConfig, VerifyResult
 from cascade.verify import Verifier
+from cascade.drafters.base import DraftStart
 from stat_utils import LEVEL, lossless_pvalue
 
 
@@ -54,8 +55,8 @@ def test_cascade_greedy_equals_autoregressive(name, tiny_target, lms):
 def test_middle_level_output_is_its_own_greedy_output(tiny_target, lms):
     close, mid, _ = lms
     cascade = VerticalCascade([SmallLMDrafter(close, k=7), SmallLMDrafter(mid, k=3)])
-    cascade.reset(SamplingConfig(), None)
     context = [3, 1, 4, 1, 5]
+    cascade.start(DraftStart(tiny_target, None, context, SamplingConfig(), None))
     block = cascade.propose(context, 7)
     alone = generate(close, context, max_new_tokens=7, stop_on_eos=False)
     assert block.tokens.tolist() == alone.tokens and block.q is None

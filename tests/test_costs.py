@@ -14,7 +14,7 @@ from cascade import generate
 from cascade.costs import DEVICES, Device, ForwardShape, MeasuredCosts, RooflineCosts, VirtualClock, linear_bytes
 from cascade.drafters import SmallLMDrafter
 from cascade.results import load_jobs
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy
 from cascade.trees.growth import Tree
 from cascade.trees.guard import RealisedCheck, Valued, best_chain, keep_tree

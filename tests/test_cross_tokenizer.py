@@ -17,7 +17,7 @@ from cascade.drafters.cross_tokenizer import CrossTokenizerDrafter
 from cascade.models.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
 from cascade.models import CausalLM, perturbed_copy, tiny_llama
 from cascade.models.tiny import text_aligned_copy, tiny_bpe_tokenizer
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from deep_stats import LEVEL, exact_law, lossless_pvalue, sample_outputs
 

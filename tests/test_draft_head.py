@@ -10,7 +10,7 @@ from cascade.drafters import ConfidenceStop, DraftHeadDrafter, NGramDrafter, Sma
 from cascade.head_training import Chunk, target_features, unroll, unroll_mask
 from cascade.models import tiny_llama
 from cascade.models.draft_head import DraftHead, HeadCheckpointError
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from head_fit import fitted_head
 from test_greedy_equality import _prompts
@@ -216,13 +216,12 @@ def test_an_interrupted_training_run_resumes_bitwise(tmp_path, monkeypatch):
 
 
 def _bound(head, target, context):
+    from cascade.drafters.base import DraftStart
     from cascade.types import SamplingConfig
 
     drafter = DraftHeadDrafter(head)
     drafter.check_compatible(target)
-    drafter.bind(target, None)
-    drafter.reset(SamplingConfig(), None)
-    drafter.prefill(context, target_features(target, context[:-1]))
+    drafter.start(DraftStart(target, None, context, SamplingConfig(), None, target_features(target, context[:-1])))
     return drafter
 
 
@@ -232,7 +231,7 @@ def test_tree_levels_equal_each_path_drafted_alone(one_call, tiny_target, head):
     drafter proposed), each node's logits are the head's after drafting its path alone."""
     import random
 
-    from cascade.tree import depths_of, path_to
+    from cascade.tree_structure import depths_of, path_to
     from test_tree_levels import grow_by_levels, random_tree
 
     rng = random.Random(3)

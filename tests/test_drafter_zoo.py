@@ -13,9 +13,10 @@ from cascade.drafters import ConfidenceStop, LayerSkipDrafter, NGramDrafter, Qua
 from cascade.models import load_model, perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import head_logits, layer_lengths, run_layers
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
+from cascade.drafters.base import DraftStart
 from stat_utils import LEVEL, lossless_pvalue
 
 
@@ -132,10 +133,8 @@ def test_cache_is_left_as_found(target, adapter):
         cache = target.new_cache()
         prompt = [5, 6, 7, 8, 9]
         drafter.check_compatible(target)
-        drafter.bind(target, cache)
-        drafter.reset(SamplingConfig(), None)
         _, hidden = target.forward(prompt[:-1], cache, return_hidden=2)  # the prefills, as generate() does them
-        drafter.prefill(prompt, hidden)
+        drafter.start(DraftStart(target, cache, prompt, SamplingConfig(), None, hidden))
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
         block = drafter.propose(prompt, 4)
         drafter.score(prompt + block.tokens.tolist()[:2], [1, 2])
@@ -186,7 +185,7 @@ def test_bad_inputs(target):
         generate(target, [1, 2], drafter=LayerSkipDrafter(4), max_new_tokens=3)
     with pytest.raises(ValueError, match="positive integer"):
         LayerSkipDrafter(0)
-    with pytest.raises(RuntimeError, match="not bound"):
+    with pytest.raises(RuntimeError, match="not started"):
         d = LayerSkipDrafter(2)
         d.check_compatible(target)
         d.propose([1, 2, 3], 2)

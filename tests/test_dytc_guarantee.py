@@ -22,7 +22,7 @@ from cascade import generate
 from cascade.costs import Device, ForwardShape, VirtualClock
 from cascade.drafters import SmallLMDrafter
 from cascade.models import perturbed_copy
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy
 
 PROMPTS = [[1, 2, 3, 4], [5, 9, 2], [7, 7, 1, 30, 4], [11, 3], [2, 8, 16, 31, 1, 6]]

@@ -16,7 +16,7 @@ from cascade.drafters import DraftHeadDrafter, NGramDrafter, SmallLMDrafter
 from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.draft_head import EAGLE_LAYOUT, DraftHead, HeadCheckpointError, HeadLayout
 from cascade.models.layers import decoder_parts
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, StaticTreePolicy
 from head_fit import fitted_head, write_eagle_release
 

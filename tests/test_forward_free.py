@@ -17,9 +17,10 @@ from cascade.data import DataError, DataFile, Prompt, load_prompts, mixed
 from cascade.drafters import Datastore, SmallLMDrafter, SuffixDrafter, TokenRecyclingDrafter
 from cascade.drafters.recycling import UNKNOWN
 from cascade.drafters.suffix import SEP, suffix_array
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy
 from cascade.types import Scored, VerifyResult
+from cascade.drafters.base import Outcome
 
 
 def _prompts(n, seed=0):
@@ -31,13 +32,13 @@ def _prompts(n, seed=0):
 def test_recycling_table_is_the_verifiers_top_r():
     d = TokenRecyclingDrafter(r=3, k=2, vocab_size=10)
     logits = torch.randn(3, 10, dtype=torch.float64)
-    d.observe([0], VerifyResult(0, 1, False), scored=Scored([4, 7, 4], logits))
+    d.observe(Outcome([0], VerifyResult(0, 1, False), scored=Scored([4, 7, 4], logits)))
     want = torch.topk(logits, 3, -1)
     assert d.table[7].tolist() == want.indices[1].tolist()
     assert d.table[4].tolist() == want.indices[2].tolist()  # a repeated input: the last row wins
     torch.testing.assert_close(d.probs[7], torch.softmax(logits[1], -1)[want.indices[1]].float())
     assert (d.table[[0, 1, 2, 3, 5, 6, 8, 9]] == UNKNOWN).all()
-    d.observe([0], VerifyResult(0, 1, False), scored=None)  # nothing to learn from: unchanged
+    d.observe(Outcome([0], VerifyResult(0, 1, False), scored=None))  # nothing to learn from: unchanged
     assert d.filled == 2
 
 
@@ -180,9 +181,9 @@ def test_cascade_level_recycling_learns_from_the_level_above(tiny_target, tiny_c
     seen = []
     original = low.observe
 
-    def spy(context, result, verify_time_s=None, hidden=None, scored=None):
-        seen.append((list(context), result.num_accepted, scored))
-        original(context, result, verify_time_s, hidden, scored)
+    def spy(outcome):
+        seen.append((list(outcome.context), outcome.result.num_accepted, outcome.scored))
+        original(outcome)
 
     low.observe = spy
     casc = VerticalCascade([SmallLMDrafter(tiny_close_drafter, k=4), low])

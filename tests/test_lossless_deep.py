@@ -24,7 +24,7 @@ from cascade.models import perturbed_copy, tiny_llama
 from cascade.models.adapter import ExitAdapter
 from cascade.models.pruned_head import prune_head
 from cascade.sampling import logits_to_probs
-from cascade.tree_drafter import TreeDrafter
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import SamplingConfig
 from cascade.verify import VERIFIERS as RULES

@@ -7,7 +7,7 @@ import pytest
 from cascade.decode import Generation
 from cascade.metrics import alpha_by_depth, decomposition, prediction, speedup, summarize
 from cascade.summary import RunStats
-from cascade.tree import chain_parents
+from cascade.tree_structure import chain_parents
 from cascade.types import StepRecord
 
 

@@ -242,7 +242,7 @@ def _direct_vs_transformers(lm):
     """Outputs of the same calls through lm.forward and lm.transformers_forward: a prefill with
     two layers' hidden states, a chain step with keep_last, a tree step (siblings, own positions)
     with the final-norm states, a compaction to one tree path, and a step after it."""
-    from cascade.tree import tree_mask, tree_positions
+    from cascade.tree_structure import tree_mask, tree_positions
 
     def calls(forward):
         cache = lm.new_cache()

@@ -364,7 +364,7 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
     so that int4's groups of 64 fit every layer)."""
     from cascade.models.lean import FusedLayer, LeanDecoder, OpsLayer
     from cascade.models.loading import quantized_copy
-    from cascade.tree import tree_mask, tree_positions
+    from cascade.tree_structure import tree_mask, tree_positions
 
     if _needs(quantize):
         pytest.skip(_needs(quantize))
@@ -447,7 +447,7 @@ def test_trained_modules_copied_from_a_native_target_keep_a_differentiable_atten
 
 def test_lean_forward_is_bitwise_transformers_forward(tiny_native):
     from cascade.models.lm import FINAL_HIDDEN
-    from cascade.tree import tree_mask, tree_positions
+    from cascade.tree_structure import tree_mask, tree_positions
 
     prompt, block = list(range(3, 40)), [5, 9, 11, 200, 17, 30]
 
@@ -486,7 +486,7 @@ def test_lean_forward_on_a_transformers_cache_is_bitwise_the_preallocated_one(ti
     and the same cache contents."""
     from transformers import DynamicCache
 
-    from cascade.tree import tree_mask, tree_positions
+    from cascade.tree_structure import tree_mask, tree_positions
 
     def run(cache):
         first = tiny_native.forward(list(range(3, 40)), cache)
@@ -566,7 +566,7 @@ def test_greedy_speculation_equals_autoregressive_on_the_backend(tiny_native):
     from cascade.cascades import VerticalCascade
     from cascade.drafters import NGramDrafter, QuantizedLMDrafter, SmallLMDrafter
     from cascade.drafters.draft_head import DraftHeadDrafter
-    from cascade.tree_drafter import TreeDrafter
+    from cascade.trees.drafter import TreeDrafter
     from cascade.trees import DynamicTreePolicy, StaticTreePolicy
 
     lm = tiny_native
@@ -651,7 +651,7 @@ def test_sampled_speculation_on_the_backend_is_lossless(method, setting):
 
     from cascade.drafters import SmallLMDrafter
     from cascade.models import perturbed_copy
-    from cascade.tree_drafter import TreeDrafter
+    from cascade.trees.drafter import TreeDrafter
     from cascade.trees import StaticTreePolicy
 
     base = damped()

@@ -97,11 +97,12 @@ def test_frequent_head_ranks_the_corpus_in_the_models_tokenizer(tmp_path, monkey
 
 def test_sampled_pruned_drafter_reports_its_own_q(tiny_target):
     """A sampled draft token lies in the kept set and its reported q is zero outside it."""
+    from cascade.drafters.base import DraftStart
     from cascade.types import SamplingConfig
 
     keep = torch.arange(0, 32, 2)
     drafter = SmallLMDrafter(prune_head(perturbed_copy(tiny_target, 0.3, seed=2), keep), k=4)
-    drafter.reset(SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    drafter.start(DraftStart(tiny_target, None, [1, 2, 3], SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)))
     block = drafter.propose([1, 2, 3], 4)
     assert all(int(t) % 2 == 0 for t in block.tokens)
     assert block.q is not None and float(block.q[:, 1::2].abs().max()) == 0.0

@@ -93,7 +93,7 @@ def test_fp16w_backend_matches_transformers_generate_on_the_same_weights(smollm,
 
 def _speculative_makers(drafter_lm):
     from cascade.cascades import VerticalCascade
-    from cascade.tree_drafter import TreeDrafter
+    from cascade.trees.drafter import TreeDrafter
     from cascade.trees import DynamicTreePolicy, StaticTreePolicy
 
     return {

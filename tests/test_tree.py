@@ -13,11 +13,12 @@ from cascade.drafters import LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter,
 from cascade.costs import RobustCurve
 from cascade.estimators import AcceptanceTable
 from cascade.models import perturbed_copy, tiny_llama
-from cascade.tree import children_of, depths_of, path_to, tree_mask, tree_positions
-from cascade.tree_drafter import TreeDrafter
+from cascade.tree_structure import children_of, depths_of, path_to, tree_mask, tree_positions
+from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from cascade.types import ACCEPTED, REJECTED, UNJUDGED, SamplingConfig, VerifyResult
 from cascade.verify import Verifier, accept_greedy, accept_sampled
+from cascade.drafters.base import Outcome
 from stat_utils import LEVEL, lossless_pvalue
 
 
@@ -203,7 +204,7 @@ def test_censoring_unjudged_nodes_are_not_failures():
     from cascade.trees.growth import Node
 
     drafter._verified = [Node(1, -1, 1, 0, 1, None, 1.0), Node(2, 0, 2, 0, 1, None, 1.0), Node(3, 1, 3, 0, 1, None, 1.0)]
-    drafter.observe([0], VerifyResult(0, 9, False, [], [REJECTED, UNJUDGED, UNJUDGED]))
+    drafter.observe(Outcome([0], VerifyResult(0, 9, False, [], [REJECTED, UNJUDGED, UNJUDGED])))
     assert table.get(drafter.names[0], "depth1").n == 1
     assert not table.seen(drafter.names[0], "depth2") and not table.seen(drafter.names[0], "depth3")
 
@@ -469,9 +470,9 @@ def test_tree_verifier_on_cuda():
 class _SlowFirstCall(SmallLMDrafter):
     """A drafter whose first call of a generation is slow, like an LM drafter's prompt prefill."""
 
-    def reset(self, sampling, generator):
-        super().reset(sampling, generator)
+    def start(self, run):
         self._first = True
+        super().start(run)  # the prefill is the first call
 
     def score(self, context, extra=()):
         if self._first:

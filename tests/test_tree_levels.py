@@ -11,8 +11,9 @@ import torch
 from cascade.drafters import LayerSkipDrafter, SmallLMDrafter
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import head_logits, layer_lengths, run_layers
-from cascade.tree import depths_of, path_to
+from cascade.tree_structure import depths_of, path_to
 from cascade.types import SamplingConfig
+from cascade.drafters.base import DraftStart
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -54,16 +55,13 @@ def test_level_forward_equals_each_path_alone(kind, seed, tiny_target, tiny_clos
     adapter = ExitAdapter.from_target(tiny_target, 1) if kind == "kangaroo" else None
     if kind == "small_lm":
         drafter = SmallLMDrafter(tiny_close_drafter)
-        drafter.reset(SamplingConfig(), None)
-        drafter.prefill(context)
+        drafter.start(DraftStart(tiny_target, None, context, SamplingConfig(), None))
     else:
         drafter = LayerSkipDrafter(1, adapter=adapter)
         cache = tiny_target.new_cache()
         drafter.check_compatible(tiny_target)
-        drafter.bind(tiny_target, cache)
-        drafter.reset(SamplingConfig(), None)
         _, hidden = tiny_target.forward(context[:-1], cache, return_hidden=1)
-        drafter.prefill(context, hidden)
+        drafter.start(DraftStart(tiny_target, cache, context, SamplingConfig(), None, hidden))
         before = layer_lengths(cache)
     got = grow_by_levels(drafter, context, tokens, parents)
     for node, logits in got.items():
@@ -81,8 +79,7 @@ def test_compaction_to_the_accepted_path(tiny_close_drafter):
     context = [rng.randrange(32) for _ in range(5)]
     tokens, parents = random_tree(rng, 12, 32)
     drafter = SmallLMDrafter(tiny_close_drafter)
-    drafter.reset(SamplingConfig(), None)
-    drafter.prefill(context)
+    drafter.start(DraftStart(tiny_close_drafter, None, context, SamplingConfig(), None))
     grow_by_levels(drafter, context, tokens, parents)
     drafter.tree_end()
     path = path_to(11, parents)
@@ -105,8 +102,7 @@ def test_a_path_partly_fed_keeps_its_fed_prefix(tiny_close_drafter):
     context = [3, 1, 4, 1, 5]
     tokens, parents = [9, 2, 6, 5], [-1, -1, 0, 2]
     drafter = SmallLMDrafter(tiny_close_drafter)
-    drafter.reset(SamplingConfig(), None)
-    drafter.prefill(context)
+    drafter.start(DraftStart(tiny_close_drafter, None, context, SamplingConfig(), None))
     drafter.tree_start(context)
     drafter.tree_level([0, 1], [9, 2], [-1, -1])  # node 2 and 3 are never fed
     drafter.tree_end()
@@ -119,7 +115,7 @@ def test_a_path_partly_fed_keeps_its_fed_prefix(tiny_close_drafter):
 
 def test_unfed_parent_is_refused(tiny_close_drafter):
     drafter = SmallLMDrafter(tiny_close_drafter)
-    drafter.reset(SamplingConfig(), None)
+    drafter.start(DraftStart(tiny_close_drafter, None, [1, 2, 3], SamplingConfig(), None))
     drafter.tree_start([1, 2, 3])
     with pytest.raises(ValueError, match="has not been fed"):
         drafter.tree_level([5], [4], [2])

@@ -5,7 +5,7 @@ not)."""
 import pytest
 import torch
 
-from cascade.tree import chain_parents
+from cascade.tree_structure import chain_parents
 from cascade.types import ACCEPTED, REJECTED, UNJUDGED, VerifyResult
 from cascade.verify import accept_greedy, accept_sampled, residual_distribution
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from cascade.tree import chain_parents, children_of, depths_of, path_to
+from cascade.tree_structure import chain_parents, children_of, depths_of, path_to
 from cascade.verify import (VERIFIERS, accept_block, accept_sampled, accept_traversal, expected_accepted,
                             traversal_plan, verifier_named)
 

@@ -1,6 +1,6 @@
 """Drafters: the protocol, the built-in drafters and their stop policies."""
 
-from cascade.drafters.base import Drafter
+from cascade.drafters.base import ChecksTarget, Drafter, DraftStart, Outcome, SharesCache
 from cascade.drafters.cross_tokenizer import CrossTokenizerDrafter
 from cascade.drafters.draft_head import DraftHeadDrafter
 from cascade.drafters.frequent_head import frequent_head
@@ -14,16 +14,20 @@ from cascade.drafters.stopping import ConfidenceStop, FixedK, StopPolicy, Thomps
 from cascade.drafters.suffix import Datastore, SuffixDrafter
 
 __all__ = [
+    "ChecksTarget",
     "ConfidenceStop",
     "CrossTokenizerDrafter",
     "Datastore",
     "DraftHeadDrafter",
+    "DraftStart",
     "Drafter",
     "FixedK",
     "LMDrafter",
     "LayerSkipDrafter",
     "NGramDrafter",
+    "Outcome",
     "QuantizedLMDrafter",
+    "SharesCache",
     "SmallLMDrafter",
     "StopPolicy",
     "SuffixDrafter",

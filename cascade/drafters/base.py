@@ -1,31 +1,42 @@
 """The drafter protocol.
 
 A drafter proposes tokens (a chain, or a token tree) for the positions after a context; the
-decode loop verifies them with the target. Lifecycle per generation::
+decode loop verifies them with the target. Its core is three methods, called per generation::
 
-    drafter.check_compatible(target)       # refuses a drafter whose vocabulary differs
-    drafter.bind(target, cache)            # the target's KV cache for this generation
-    drafter.reset(sampling, generator)     # new generation: drop state, take the run's settings
-    drafter.prefill(prompt, hidden)        # catch up on the prompt (timed beside the target's prefill)
+    drafter.start(DraftStart(target, cache, prompt, sampling, generator, hidden))
     loop:
-        block = drafter.propose(context, budget)   # at most `budget` tokens deep
-        ...target verifies...
-        drafter.observe(context_after, result, verify_time_s, hidden, scored)   # what the target accepted
+        block = drafter.propose(context, budget)      # at most `budget` tokens deep
+        ...the target verifies...
+        drafter.observe(Outcome(context, result, verify_time_s, hidden, scored))
 
-``context`` is the full token list (prompt + generated so far). A drafter with a KV cache keeps
-it in sync with the accepted prefix (see ``SmallLMDrafter``). A self-drafting drafter (layer
-skip) works on the target's own cache, given by ``bind``: it may append draft-time entries but
-must remove them before it returns, so the target always finds its cache as it left it. A
-drafter that needs the target's hidden states after some layer (Kangaroo's adapter) names that
-layer in ``hidden_layer``; the loop then hands it those states for the prompt (``prefill``) and
-for the positions each step commits (``observe``). A deterministic drafter returns ``q=None``;
-one that samples returns the exact distributions it sampled from, processed with the run's
-``SamplingConfig``.
+``start`` comes after the target's prefill (``cache`` holds ``prompt[:-1]``) and hands the run's
+``SamplingConfig`` and generator: a drafter keeps them (``Drafter.start`` does) instead of having
+them planted. ``context`` is the full token list (prompt + generated so far); ``Outcome`` says
+what the target accepted. A deterministic drafter returns ``q=None``; one that samples returns
+the exact distributions it sampled from.
+
+What some drafters also do is a small capability of its own, which a caller detects by type:
+
+* :class:`ChecksTarget`: ``check_compatible(target)`` before any generation with ``target``
+  (refuse a vocabulary it cannot draft in; load what depends on the target). ``check_target``
+  asks it of any drafter.
+* :class:`SharesCache`: ``draft_cache()``, the model and KV cache it drafts on, which a
+  self-drafting lower level of a vertical cascade shares.
+* ``LMDrafter`` (``cascade.drafters.lm_base``): scores contexts with a model, so it can verify a
+  cascade's lower level and feed a token tree level by level in one forward.
+
+Declared data, not methods: ``hidden_layer`` (the target layer whose hidden states it wants in
+``DraftStart.hidden`` and ``Outcome.hidden``; None: none), ``drafts_trees``, ``sample`` (whether
+it samples when the run samples), ``k`` (most tokens per proposal, for summaries).
+
+A self-drafting drafter (layer skip) works on the target's own cache: it may append draft-time
+entries but must remove them before it returns, so the target always finds its cache as it left it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,10 +44,41 @@ from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, VerifyResult
 
 
+@dataclass(frozen=True)
+class DraftStart:
+    """What a drafter is given when a generation starts (after the target's prefill)."""
+
+    target: CausalLM  # the model it drafts for (a cascade's lower level: the level above's model)
+    cache: object | None  # that model's KV cache holding prompt[:-1] (None: a lower level's model whose cache is not shared)
+    prompt: list[int]
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    hidden: torch.Tensor | None = None  # [len(prompt) - 1, H] the target's states at ``hidden_layer`` (when asked for)
+
+    def part(self, drafter: "Drafter") -> "DraftStart":
+        """This start as a composite's part sees it: the hidden states only if it asked for them."""
+        return self if drafter.hidden_layer is not None else replace(self, hidden=None)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one verification decided, told to the drafter that proposed."""
+
+    context: list[int]  # now ending with the accepted tokens and the recovered/bonus token
+    result: VerifyResult
+    verify_time_s: float | None = None  # the target forward's time (None: the verifier is a cascade level)
+    hidden: torch.Tensor | None = None  # [m, H] the target's states at ``hidden_layer`` for the m positions committed
+    scored: Scored | None = None  # the verifying forward's inputs and raw logits (read, never modified)
+
+    def part(self, drafter: "Drafter") -> "Outcome":
+        """This outcome as a composite's part sees it: the hidden states only if it asked for them."""
+        return self if drafter.hidden_layer is not None else replace(self, hidden=None)
+
+
 def shared_hidden_layer(drafters: list["Drafter"], what: str) -> HiddenLayers:
     """The one target layer (or tuple of layers) whose hidden states the ``drafters`` of a
     composite drafter need (None: none of them does); refuses drafters that need different ones.
-    Asked when decoding starts (after ``check_compatible``: a head loaded then knows its layers)."""
+    Asked when decoding starts (after ``check_target``: a head loaded then knows its layers)."""
     layers = {d.hidden_layer for d in drafters} - {None}
     if len(layers) > 1:
         raise ValueError(f"{what} need the target's hidden states at different layers {sorted(map(str, layers))}")
@@ -55,46 +97,61 @@ class Drafter(ABC):
     # Whether it samples its drafts when the run samples (False: argmax drafts, deterministic,
     # q one-hot); a tree policy reads it to rank or draw a drafter's children.
     sample: bool = True
+    # Most tokens one proposal may hold (None: unbounded or not fixed), for run summaries.
+    k: int | None = None
 
-    def check_compatible(self, target: CausalLM) -> None:
-        """Raise ValueError when this drafter cannot draft for ``target`` (e.g. vocabulary)."""
+    _generation: DraftStart | None = None  # the generation in progress
 
-    def bind(self, target: CausalLM, cache) -> None:
-        """Told the target and its KV cache (holding the committed prefix) at the start of a
-        generation. Drafters that share the target's weights and cache keep them; others ignore it."""
+    def start(self, run: DraftStart) -> None:
+        """A new generation: drop per-generation state, keep the run's sampling settings, catch
+        up on ``run.prompt`` (timed as the drafter's prefill)."""
+        self._generation = run
 
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        """Start a new generation."""
-        self.sampling = sampling
-        self.generator = generator
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The generation's sampling settings (from ``start``)."""
+        return self._started().sampling
 
-    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
-        """Catch up on the prompt before the first proposal (an LM drafter fills its cache).
-        ``hidden``: [len(prompt) - 1, H] the target's states at ``hidden_layer`` (when asked for)."""
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generation's source of randomness (from ``start``)."""
+        return self._started().generator
+
+    def _started(self) -> DraftStart:
+        if self._generation is None:
+            raise RuntimeError(f"{self.name}: not started (start(DraftStart(...)) comes first; cascade.generate calls it)")
+        return self._generation
 
     @abstractmethod
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         """Propose at most ``budget`` (>= 1) tokens deep following ``context``."""
 
-    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
-        """Told the verification result; ``context`` now ends with the accepted tokens and the
-        recovered/bonus token. ``verify_time_s``: the target forward's time (None when the
-        verifier is a cascade level). ``hidden``: [m, H] the target's states at ``hidden_layer``
-        for the m positions this step committed (the last root and the accepted path).
-        ``scored``: the verifying forward's inputs and raw logits (``Scored``); a drafter that
-        learns from them must not modify them."""
-
-    def draft_cache(self) -> tuple[CausalLM, object] | None:
-        """The model and KV cache this drafter drafts on, which a self-drafting lower level of a
-        cascade (a layer skip of that model) shares; None for a drafter without a model."""
-        return None
-
-    @property
-    def budget(self) -> int | None:
-        """Most tokens one proposal may hold (None: unbounded or not fixed)."""
-        return getattr(self, "k", None)
+    def observe(self, outcome: Outcome) -> None:
+        """Told what the target accepted of the last proposal (``Outcome``)."""
 
     def describe(self) -> DrafterInfo:
         """Kind, draft budget and the drafters inside, for run summaries."""
-        return DrafterInfo(kind=self.kind, name=self.name, budget=self.budget)
+        return DrafterInfo(kind=self.kind, name=self.name, budget=self.k)
+
+
+class ChecksTarget(ABC):
+    """A drafter that must see the target before drafting for it."""
+
+    @abstractmethod
+    def check_compatible(self, target: CausalLM) -> None:
+        """Raise ValueError when this drafter cannot draft for ``target`` (e.g. vocabulary);
+        prepare what depends on it. Called before any generation with ``target``."""
+
+
+def check_target(drafter: Drafter, target: CausalLM) -> None:
+    """Let ``drafter`` refuse or prepare for ``target`` (a no-op for one that need not see it)."""
+    if isinstance(drafter, ChecksTarget):
+        drafter.check_compatible(target)
+
+
+class SharesCache(ABC):
+    """A drafter with a model and KV cache of its own that a lower cascade level may draft on."""
+
+    @abstractmethod
+    def draft_cache(self) -> tuple[CausalLM, object] | None:
+        """The model and KV cache this drafter drafts on (None before its first ``start``)."""

@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cascade.drafters.base import DraftStart, SharesCache
 from cascade.drafters.lm_base import LMDrafter, crop_to_prefix, keep_tree_entries
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.vocabulary import ByteVocabulary, VocabularyBridge, complete_utf8_prefix
 from cascade.models.lm import CausalLM
-from cascade.tree import level_inputs
-from cascade.types import DraftBlock, DrafterInfo, Retokenization, SamplingConfig
+from cascade.tree_structure import level_inputs
+from cascade.types import DraftBlock, DrafterInfo, Retokenization
 
 RULES = ("auto", "string", "intersection")
 
@@ -63,7 +64,7 @@ class _PieceTree:
     path: dict[int, list[int]] = field(default_factory=dict)  # caller's node id -> its path's entries
 
 
-class CrossTokenizerDrafter(LMDrafter):
+class CrossTokenizerDrafter(LMDrafter, SharesCache):
     """Drafts for a target with another tokenizer (see the module docstring for the rules).
 
     model: the drafter's ``CausalLM`` (with its tokenizer). k: drafter tokens per draft under
@@ -87,7 +88,8 @@ class CrossTokenizerDrafter(LMDrafter):
         self.counts = Retokenization()
         self._drafting = False  # inside an intersection chain's propose (its rows are counted)
         self._pieces: _PieceTree | None = None
-        self.reset(SamplingConfig(), None)
+        self.cache = None  # made at each start
+        self.cached: list[int] = []  # drafter tokens whose keys/values the cache holds, in order
 
     # ---- the vocabulary it drafts in ----------------------------------------------------------
     def check_compatible(self, target: CausalLM) -> None:
@@ -114,11 +116,11 @@ class CrossTokenizerDrafter(LMDrafter):
     def draft_cache(self):
         return None if self.cache is None else (self.model, self.cache)
 
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        super().reset(sampling, generator)
+    def start(self, run: DraftStart) -> None:
         self.cache = self.model.new_cache()
-        self.cached: list[int] = []  # drafter tokens whose keys/values the cache holds, in order
+        self.cached = []
         self._pieces = None
+        super().start(run)  # catches up on the prompt in the new cache
 
     def _sync_to(self, tokens: list[int]) -> int:
         """Crop the cache to its longest common prefix with drafter ``tokens`` (at most all but

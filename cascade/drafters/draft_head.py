@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from cascade.costs import ForwardShape, linear_bytes
+from cascade.drafters.base import DraftStart, Outcome
 from cascade.drafters.lm_base import LMDrafter, TreeCacheState
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.draft_head import DraftHead
 from cascade.models.eagle3 import Eagle3Head, open_head
 from cascade.models.lm import FINAL_HIDDEN, CausalLM, HiddenLayers, notify_forward
-from cascade.types import SamplingConfig, Scored
 
 
 class DraftHeadDrafter(LMDrafter):
@@ -52,7 +52,11 @@ class DraftHeadDrafter(LMDrafter):
         self.name = name or "draft_head"
         self.model: CausalLM | None = None
         self._readout = None
-        self.reset(SamplingConfig(), None)
+        self._feats: torch.Tensor | None = None  # [T, F] the target's features of committed positions 0..T-1 (F = head.feature_size)
+        self._cache = None  # the head's own cache, made at each start
+        self._true_len = 0  # head cache entries computed from the target's features (positions 0.._true_len-1)
+        self._last: torch.Tensor | None = None  # [H] the head's predicted feature after the last token fed
+        self._node_feats: list[torch.Tensor] = []  # tree drafting: predicted feature of each fed node (by slot)
 
     # ---- binding -------------------------------------------------------------------------
     def check_compatible(self, target: CausalLM) -> None:
@@ -70,27 +74,21 @@ class DraftHeadDrafter(LMDrafter):
         (known once a loaded head is bound; FINAL_HIDDEN before)."""
         return FINAL_HIDDEN if self.head is None else self.head.hidden_layer
 
-    def bind(self, target: CausalLM, cache) -> None:
-        self.check_compatible(target)
+    def start(self, run: DraftStart) -> None:
+        self.check_compatible(run.target)
+        self._cache = self.head.new_cache()
+        self._true_len, self._last, self._node_feats = 0, None, []
+        super().start(run)
 
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        super().reset(sampling, generator)
-        self._feats: torch.Tensor | None = None  # [T, F] the target's features of committed positions 0..T-1 (F = head.feature_size)
-        self._cache = self.head.new_cache() if self.head is not None else None
-        self._true_len = 0  # head cache entries computed from the target's features (positions 0.._true_len-1)
-        self._last: torch.Tensor | None = None  # [H] the head's predicted feature after the last token fed
-        self._node_feats: list[torch.Tensor] = []  # tree drafting: predicted feature of each fed node (by slot)
+    def _prefill(self, run: DraftStart) -> None:
+        """Keep the prompt's features (``run.hidden``: [len(prompt) - 1, H]); the head's cache
+        fills lazily at the first proposal."""
+        self._feats = run.hidden
 
-    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
-        """Keep the prompt's features (``hidden``: [len(prompt) - 1, H]); the head's cache fills
-        lazily at the first proposal."""
-        self._feats = hidden
-
-    def observe(self, context: list[int], result, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
-        super().observe(context, result, verify_time_s, hidden, scored)
-        if hidden is not None:  # [m, H] the positions just committed
-            self._feats = hidden if self._feats is None else torch.cat([self._feats, hidden])
+    def observe(self, outcome: Outcome) -> None:
+        super().observe(outcome)
+        if outcome.hidden is not None:  # [m, H] the positions just committed
+            self._feats = outcome.hidden if self._feats is None else torch.cat([self._feats, outcome.hidden])
 
     # ---- the head's forwards ------------------------------------------------------------------
     def forward_shape(self) -> ForwardShape:

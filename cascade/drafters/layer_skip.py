@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from cascade.drafters.base import DraftStart, Outcome, SharesCache
 from cascade.drafters.lm_base import LMDrafter
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.adapter import ExitAdapter
 from cascade.models.layers import crop_layers, decoder_parts, head_logits, layer_lengths, run_layers
 from cascade.models.lm import CausalLM
-from cascade.types import SamplingConfig, Scored
 
 
 class PlainExit:
@@ -124,7 +124,7 @@ class AdapterExit:
             self.adapter.crop(self._cache, committed)
 
 
-class LayerSkipDrafter(LMDrafter):
+class LayerSkipDrafter(LMDrafter, SharesCache):
     """Drafts with the first ``exit_layer`` layers of the target (see the module docstring)."""
 
     def __init__(
@@ -148,7 +148,7 @@ class LayerSkipDrafter(LMDrafter):
         self.name = name or f"{self.kind}(exit={exit_layer})"
         self.model: CausalLM | None = None
         self.cache = None
-        self.reset(SamplingConfig(), None)
+        self._committed_len: int | None = None  # cache length when the current draft started
 
     @property
     def adapter(self) -> ExitAdapter | None:
@@ -167,28 +167,26 @@ class LayerSkipDrafter(LMDrafter):
         self.exit.bind(target, self.exit_layer)
         self.model = target
 
-    def bind(self, target: CausalLM, cache) -> None:
-        if self.model is not target:
-            self.check_compatible(target)
-        self.cache = cache
-
     def draft_cache(self):
         return None if self.cache is None else (self.model, self.cache)
 
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        super().reset(sampling, generator)
+    def start(self, run: DraftStart) -> None:
+        """Drafts on ``run.target``'s cache (the target's, or a cascade's upper level's)."""
+        if self.model is not run.target:
+            self.check_compatible(run.target)
+        self.cache = run.cache
         self.exit.reset()
-        self._committed_len: int | None = None  # cache length when the current draft started
+        self._committed_len = None
+        super().start(run)
 
-    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+    def _prefill(self, run: DraftStart) -> None:
         """Nothing to compute: the target's prefill filled the shared cache. An adapter keeps the
-        prompt's exit hidden states (``hidden``: [len(prompt) - 1, H])."""
-        self.exit.prefill(hidden)
+        prompt's exit hidden states (``run.hidden``: [len(prompt) - 1, H])."""
+        self.exit.prefill(run.hidden)
 
-    def observe(self, context: list[int], result, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
-        super().observe(context, result, verify_time_s, hidden, scored)
-        self.exit.keep(hidden)  # [m, H] the positions just committed (adapter only)
+    def observe(self, outcome: Outcome) -> None:
+        super().observe(outcome)
+        self.exit.keep(outcome.hidden)  # [m, H] the positions just committed (adapter only)
 
     def sync(self, context: list[int]) -> int:
         return self._committed()  # the cache is always left at the committed prefix

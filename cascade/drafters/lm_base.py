@@ -16,12 +16,12 @@ and this class drafts: up to ``k`` tokens, argmax or sampled (reporting the exac
 ``q``), ended early by a stop policy (``cascade.drafters.stopping``) whose decisions are logged
 in the block's ``stop`` field and which learns from each verification result.
 
-Level-synchronous tree drafting (``cascade.tree_drafter``) uses these calls, one drafter
+Level-synchronous tree drafting (``cascade.trees.drafter``) uses these calls, one drafter
 forward per tree depth over every node expanded at that depth:
 
     tree_start(context) -> logits [V]            the root's (the cache then holds ``context``)
     tree_level(nodes, tokens, parents) -> [w, V]  feed w tree nodes at once, with tree positions
-                                                  and the tree mask (``cascade.tree.level_inputs``)
+                                                  and the tree mask (``cascade.tree_structure.level_inputs``)
     tree_fed(node) -> bool                        whether a node is already in the draft cache
     tree_end()                                    drop what must not outlive the draft
     tree_commit(path)                             after verification: keep the accepted path
@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 import torch
 
 from cascade.costs import ForwardShape
-from cascade.drafters.base import Drafter
+from cascade.drafters.base import ChecksTarget, Drafter, DraftStart, Outcome
 from cascade.drafters.stopping import FixedK, StopPolicy, make_stop_policy
 from cascade.models.lm import CausalLM
 from cascade.sampling import logits_to_probs, sample
-from cascade.tree import level_inputs
-from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, VerifyResult
+from cascade.tree_structure import level_inputs
+from cascade.types import DraftBlock, DrafterInfo
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -104,7 +104,7 @@ class TreeCacheState:
     slot: dict[int, int] = field(default_factory=dict)  # caller's node id -> index into ids
 
 
-class LMDrafter(Drafter):
+class LMDrafter(Drafter, ChecksTarget):
     """Base of the LM-backed drafters.
 
     k: maximum draft length.
@@ -140,10 +140,13 @@ class LMDrafter(Drafter):
         ``target``: a level below it in a vertical cascade must draft in that vocabulary."""
         return self.model
 
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        super().reset(sampling, generator)
-        self.stop.reset(generator)
+    def start(self, run: DraftStart) -> None:
+        """A new generation; a subclass drops its own state first, then calls this, which ends
+        with the prompt's catch-up (``_prefill``)."""
+        super().start(run)
+        self.stop.reset(run.generator)
         self._tree = None
+        self._prefill(run)
 
     @abstractmethod
     def score(self, context: list[int], extra: list[int] | tuple = ()) -> torch.Tensor:
@@ -208,11 +211,11 @@ class LMDrafter(Drafter):
     def describe(self) -> DrafterInfo:
         return DrafterInfo(kind=self.kind, name=self.name, budget=self.k, stop=type(self.stop).__name__)
 
-    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
+    def _prefill(self, run: DraftStart) -> None:
         """Run the model over all but the last prompt token, so that the first proposal feeds
         only that one (a drafter on the target's own cache overrides this: nothing to catch up)."""
-        if len(prompt) > 1:
-            self.score(prompt[:-1])
+        if len(run.prompt) > 1:
+            self.score(run.prompt[:-1])
 
     def sync(self, context: list[int]) -> int:
         """Make the KV cache of ``self.model`` hold a prefix of ``context`` (nothing else); return
@@ -253,6 +256,5 @@ class LMDrafter(Drafter):
         q = torch.stack(qs) if qs else None  # [k, V]
         return DraftBlock(torch.tensor(tokens, dtype=torch.long), q, self.name, stop=list(self.stop.decisions))
 
-    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
-        self.stop.update(result.num_accepted, not result.all_accepted)
+    def observe(self, outcome: Outcome) -> None:
+        self.stop.update(outcome.result.num_accepted, not outcome.result.all_accepted)

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from cascade.drafters.base import Drafter
+from cascade.drafters.base import ChecksTarget, Drafter, Outcome
 from cascade.models.lm import CausalLM
-from cascade.types import DraftBlock, Scored, VerifyResult
+from cascade.types import DraftBlock
 
 UNKNOWN = -1
 
 
-class TokenRecyclingDrafter(Drafter):
+class TokenRecyclingDrafter(Drafter, ChecksTarget):
     kind = "token_recycling"
 
     def __init__(self, r: int = 8, k: int = 4, tree: tuple[int, ...] | list[int] | None = None,
@@ -110,9 +110,9 @@ class TokenRecyclingDrafter(Drafter):
         self.table = table[:, : self.r].clone()
         self.probs = saved["probs"][:, : self.r].clone().float()
 
-    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
+    def observe(self, outcome: Outcome) -> None:
         """Overwrite the rows of the verified inputs with the verifier's top-r after each."""
+        scored = outcome.scored
         if scored is None or self.table is None:
             return
         logits = scored.logits.detach().float()  # [n+1, V]

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from cascade.drafters.base import DraftStart, SharesCache
 from cascade.drafters.lm_base import LMDrafter, crop_to_prefix, keep_tree_entries
 from cascade.drafters.stopping import StopPolicy
 from cascade.models.lm import CausalLM
-from cascade.types import SamplingConfig
 
 __all__ = ["SmallLMDrafter"]
 
 
-class SmallLMDrafter(LMDrafter):
+class SmallLMDrafter(LMDrafter, SharesCache):
     """Drafts up to ``k`` tokens autoregressively with ``model`` (see ``LMDrafter`` for
     ``sample``, ``stop`` and ``stop_below``)."""
 
@@ -36,15 +36,16 @@ class SmallLMDrafter(LMDrafter):
         super().__init__(k=k, sample=sample, stop=stop, stop_below=stop_below)
         self.model = model
         self.name = name or f"small_lm({model.name})"
-        self.reset(SamplingConfig(), None)
+        self.cache = None  # made at each start
+        self.cached: list[int] = []  # tokens whose keys/values the cache holds, in order
 
     def draft_cache(self):
         return None if self.cache is None else (self.model, self.cache)
 
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        super().reset(sampling, generator)
+    def start(self, run: DraftStart) -> None:
         self.cache = self.model.new_cache()
-        self.cached: list[int] = []  # tokens whose keys/values the cache holds, in order
+        self.cached = []
+        super().start(run)  # catches up on the prompt in the new cache
 
     def sync(self, context: list[int]) -> int:
         """Crop the cache to its longest common prefix with ``context`` (at most all but its last

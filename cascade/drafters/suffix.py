@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cascade.drafters.base import Drafter
+from cascade.drafters.base import ChecksTarget, Drafter
 from cascade.drafters.ngram import lookup_context
 from cascade.models.lm import CausalLM
 from cascade.types import DraftBlock
@@ -132,7 +132,7 @@ class Datastore:
         return out
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(Drafter, ChecksTarget):
     kind = "suffix"
 
     def __init__(self, datastore: Datastore | None = None, k: int = 8, max_ngram: int = 12, min_ngram: int = 2,

@@ -24,7 +24,7 @@ from cascade.costs import charge_lookup, decode_clock
 from cascade.drafters.base import Drafter
 from cascade.drafters.lm_base import LMDrafter
 from cascade.sampling import logits_to_probs, sample
-from cascade.tree import path_to
+from cascade.tree_structure import path_to
 from cascade.types import SamplingConfig
 
 
@@ -79,8 +79,14 @@ class Tree:
 class LevelCalls:
     """The drafters' calls, for one tree drafter's drafters and the run's sampling settings."""
 
-    def __init__(self, drafters: list[Drafter], sampling: SamplingConfig, generator: torch.Generator | None) -> None:
-        self.drafters, self.sampling, self.generator = drafters, sampling, generator
+    def __init__(self, drafters: list[Drafter]) -> None:
+        self.drafters = drafters
+        self.sampling: SamplingConfig | None = None  # the generation's, from ``start``
+        self.generator: torch.Generator | None = None
+
+    def start(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
+        """A generation starts with these settings."""
+        self.sampling, self.generator = sampling, generator
 
     def is_lm(self, i: int) -> bool:
         """Drafter i scores many nodes in one forward (else it proposes one token per call)."""

@@ -1,7 +1,7 @@
 """``TreeDrafter``: token trees grown level by level by a tree policy, verified in one forward.
 
 ``TreeDrafter(drafters, policy)`` grows a token tree below the last committed token and returns
-it as one ``DraftBlock`` with ``parents`` (see ``cascade.tree``); ``cascade.generate`` verifies
+it as one ``DraftBlock`` with ``parents`` (see ``cascade.tree_structure``); ``cascade.generate`` verifies
 it in one tree-attention forward. What the tree looks like is the policy's business
 (``cascade.trees``: ``StaticTreePolicy``, ``RerankedTreePolicy`` (EAGLE-2),
 ``DynamicTreePolicy`` (CAS-Spec's DyTC, priced per level)); this class keeps the rest:
@@ -14,7 +14,7 @@ it in one tree-attention forward. What the tree looks like is the policy's busin
 * the commit: after verification each LM drafter's cache is compacted to the accepted path
   (``tree_commit``), and the policy learns from the judged nodes and the forward's time.
 
-Each LM drafter's catch-up on the prompt happens in ``prefill``, outside the tree, so no cost
+Each LM drafter's catch-up on the prompt happens in ``start``, outside the tree, so no cost
 estimate ever includes it.
 """
 
@@ -22,24 +22,27 @@ from __future__ import annotations
 
 import torch
 
-from cascade.drafters.base import Drafter, shared_hidden_layer
+from cascade.drafters.base import ChecksTarget, Drafter, DraftStart, Outcome, check_target, shared_hidden_layer
 from cascade.models.lm import CausalLM, HiddenLayers
 from cascade.sampling import one_hot_rows
-from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy, TreePolicy
+from cascade.trees.dynamic import DynamicTreePolicy
+from cascade.trees.policy import TreePolicy
+from cascade.trees.reranked import RerankedTreePolicy
+from cascade.trees.static import StaticTreePolicy
 from cascade.trees.growth import LevelCalls, Node, Tree
-from cascade.types import DraftBlock, DrafterInfo, SamplingConfig, Scored, TreeStats, VerifyResult
+from cascade.types import DraftBlock, DrafterInfo, TreeStats
 
 __all__ = ["DynamicTreePolicy", "RerankedTreePolicy", "StaticTreePolicy", "TreeDrafter"]
 
 
-class TreeDrafter(Drafter):
+class TreeDrafter(Drafter, ChecksTarget):
     def __init__(self, drafters: list[Drafter], policy: TreePolicy | None = None, name: str | None = None) -> None:
         self.drafters = list(drafters)
         if not self.drafters:
             raise ValueError("a tree drafter needs at least one drafter")
         self.policy = policy or DynamicTreePolicy()
         self.names = [f"{i}:{d.name}" for i, d in enumerate(self.drafters)]
-        self.calls = LevelCalls(self.drafters, SamplingConfig(), None)
+        self.calls = LevelCalls(self.drafters)
         self.policy.setup(self.names, self.calls)
         self.name = name or f"{self.kind}({', '.join(d.name for d in self.drafters)})"
         self._verified: list[Node] = []  # the nodes of the last proposal, in block order
@@ -56,37 +59,28 @@ class TreeDrafter(Drafter):
         return f"{self.policy.kind}_tree"
 
     @property
-    def budget(self) -> int:
+    def k(self) -> int:
         """Most nodes per tree."""
         return self.policy.budget
 
     def describe(self) -> DrafterInfo:
-        return DrafterInfo(self.kind, self.name, self.budget, parts=[d.describe() for d in self.drafters])
+        return DrafterInfo(self.kind, self.name, self.k, parts=[d.describe() for d in self.drafters])
 
     # ---- protocol ---------------------------------------------------------------------------
     drafts_trees = True
 
     def check_compatible(self, target: CausalLM) -> None:
         for d in self.drafters:
-            d.check_compatible(target)
+            check_target(d, target)
 
-    def bind(self, target: CausalLM, cache) -> None:
-        self.target = target
-        for d in self.drafters:
-            d.bind(target, cache)
-
-    def reset(self, sampling: SamplingConfig, generator: torch.Generator | None) -> None:
+    def start(self, run: DraftStart) -> None:
         """The policy's estimates persist across generations (they describe the models, not a prompt)."""
-        super().reset(sampling, generator)
+        super().start(run)
         for d in self.drafters:
-            d.reset(sampling, generator)
-        self.calls.sampling, self.calls.generator = sampling, generator
+            d.start(run.part(d))
+        self.calls.start(run.sampling, run.generator)
         self._verified, self._verified_ids, self._started = [], [], set()
-        self.policy.start(self.target)
-
-    def prefill(self, prompt: list[int], hidden: torch.Tensor | None = None) -> None:
-        for d in self.drafters:
-            d.prefill(prompt, hidden if d.hidden_layer is not None else None)
+        self.policy.start(run.target)
 
     def propose(self, context: list[int], budget: int) -> DraftBlock:
         tree = Tree(context)
@@ -127,14 +121,13 @@ class TreeDrafter(Drafter):
             seconds[self.names[t.drafter]] = seconds.get(self.names[t.drafter], 0.0) + t.seconds
         return seconds
 
-    def observe(self, context: list[int], result: VerifyResult, verify_time_s: float | None = None,
-                hidden: torch.Tensor | None = None, scored: Scored | None = None) -> None:
+    def observe(self, outcome: Outcome) -> None:
         """The policy learns from the judged nodes and the forward's time; each LM drafter's cache
         is compacted to the accepted path; every drafter observes the step."""
-        self.policy.observe(self._verified, result, verify_time_s)
-        path = [self._verified_ids[b] for b in result.path] if self._verified else []
+        self.policy.observe(self._verified, outcome.result, outcome.verify_time_s)
+        path = [self._verified_ids[b] for b in outcome.result.path] if self._verified else []
         for i in self._started:
             self.drafters[i].tree_commit(path)
         for d in self.drafters:
-            d.observe(context, result, verify_time_s, hidden if d.hidden_layer is not None else None, scored)
+            d.observe(outcome.part(d))
         self._verified, self._started = [], set()
