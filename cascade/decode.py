@@ -101,16 +101,13 @@ def generate(
     input_ids,
     drafter: Drafter | None = None,
     max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
     seed: int | None = None,
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
     stop_on_eos: bool = True,
     progress: bool = False,
     verifier: Verifier | str = EXACT,
-    sampling: SamplingConfig | None = None,
     clock: VirtualClock | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (batch size 1).
@@ -119,17 +116,15 @@ def generate(
     the target's (greedy: identical tokens). ``eos_token_id`` defaults to the target's EOS ids;
     ``generator`` (or ``seed``) is the only source of randomness. ``verifier`` holds the
     acceptance rules (``cascade.verify``: token-wise by default; ``"block"`` / ``"traversal"`` name block and
-    traversal verification, equally exact). ``sampling`` passes the
-    temperature / top-k / top-p as one ``SamplingConfig`` (what ``cascade.run`` instantiates from
-    the ``sampling`` config group); the three scalars are a shorthand for it, not both.
+    traversal verification, equally exact). ``sampling``: the
+    temperature / top-k / top-p as one ``SamplingConfig`` (greedy by default; what ``cascade.run``
+    instantiates from the ``sampling`` config group).
     ``clock``: a :class:`~cascade.costs.VirtualClock` makes every recorded time a prediction for
     its device (each model forward priced by the roofline, plus the device's host work per step);
     the tokens are the same as without it.
     """
-    if sampling is None:
-        sampling = SamplingConfig(temperature, top_k, top_p)
-    elif (temperature, top_k, top_p) != (0.0, None, None):
-        raise ValueError("pass either sampling=SamplingConfig(...) or temperature/top_k/top_p, not both")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig (temperature, top_k, top_p), got {type(sampling).__name__}")
     prompt = _prompt_ids(input_ids)
     _validate(target, prompt, max_new_tokens)
     verifier = verifier_named(verifier)

@@ -25,6 +25,7 @@ import torch
 
 from cascade import generate, load_model
 from cascade.models.direct import DirectDecoder
+from cascade.types import SamplingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -75,7 +76,7 @@ def main() -> None:
                 drafter, gen = make(), torch.Generator().manual_seed(r)
                 t0 = time.perf_counter()
                 outs = [generate(target, deep.PROMPT, drafter=drafter, max_new_tokens=deep.L, generator=gen,
-                                 stop_on_eos=False, temperature=1.0).tokens for _ in range(args.generations)]
+                                 stop_on_eos=False, sampling=SamplingConfig(temperature=1.0)).tokens for _ in range(args.generations)]
                 ms = 1000 * (time.perf_counter() - t0) / args.generations
                 rows.setdefault(f"{name}: one generation (ms)", {}).setdefault(direct, []).append(ms)
                 rows.setdefault(f"{name} outputs", {})[direct] = outs

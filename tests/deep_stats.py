@@ -41,6 +41,7 @@ from transformers.generation.logits_process import (
 
 from cascade import generate
 from cascade.tree_structure import children_of
+from cascade.types import SamplingConfig
 from stat_utils import chi_square_pvalue as _chi2
 
 LEVEL = 1e-3  # family-wise false-alarm level of one test (over its pairs)
@@ -131,7 +132,7 @@ def sample_outputs(target, make_drafter, prompt: list[int], length: int, n: int,
     extra = {} if verifier is None else {"verifier": verifier}
     for i in range(n):
         out = generate(target, prompt, drafter=drafter, max_new_tokens=length, generator=gen, stop_on_eos=False,
-                       **sampling, **extra)
+                       sampling=SamplingConfig(**sampling), **extra)
         outputs[i] = out.tokens
         for s in out.steps:
             if s.drafted:

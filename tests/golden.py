@@ -29,6 +29,7 @@ from cascade.drafters import LayerSkipDrafter, NGramDrafter, SmallLMDrafter, Tok
 from cascade.models import perturbed_copy, tiny_llama  # noqa: E402
 from cascade.trees.drafter import TreeDrafter  # noqa: E402
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy  # noqa: E402
+from cascade.types import SamplingConfig
 
 FILES = {"tiny": HERE / "golden" / "tiny.json", "real": HERE / "golden" / "real.json"}
 PROMPTS = [[1, 2, 3, 4, 5, 6], [9, 30, 2, 7, 7, 1, 30, 4], [11, 3, 8, 16, 31, 1, 6, 100, 42]]
@@ -60,7 +61,8 @@ def tiny_tokens() -> dict:
     for name, make in tiny_methods(target, close).items():
         for setting, kw in SETTINGS.items():
             for i, prompt in enumerate(PROMPTS):
-                g = generate(target, prompt, drafter=make(), max_new_tokens=24, stop_on_eos=False, seed=i, **kw)
+                g = generate(target, prompt, drafter=make(), max_new_tokens=24, stop_on_eos=False, seed=i,
+                             sampling=SamplingConfig(**kw))
                 out[f"{name}/{setting}/{i}"] = g.tokens
     return out
 

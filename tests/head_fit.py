@@ -6,6 +6,7 @@ from cascade import generate
 from cascade.head_training import Chunk, chunk_loss, target_features
 from cascade.models.draft_head import EAGLE_LAYOUT, DraftHead, HeadLayout
 from cascade.models.layers import decoder_parts
+from cascade.types import SamplingConfig
 
 _fitted: dict = {}
 
@@ -23,7 +24,7 @@ def fitted_head(target, steps=60, seed=0, vocab=None, motif=6, layout=HeadLayout
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for _ in range(steps):
         ids = torch.randint(0, target.vocab_size, (motif,), generator=gen).tolist() * 5
-        out = generate(target, ids[:12], max_new_tokens=20, stop_on_eos=False, temperature=1.0, generator=gen).tokens
+        out = generate(target, ids[:12], max_new_tokens=20, stop_on_eos=False, sampling=SamplingConfig(temperature=1.0), generator=gen).tokens
         seq = ids[:12] + out
         loss, _ = chunk_loss(head, target, Chunk(torch.tensor(seq), target_features(target, seq)), rows, 2, 0.1)
         opt.zero_grad()
@@ -180,7 +181,7 @@ def eagle3_release(target, layers=None, drop=(5, 11), steps=80, seed=0, motif=3)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     for _ in range(steps):
         ids = torch.randint(0, target.vocab_size, (motif,), generator=gen).tolist() * 5
-        out = generate(target, ids[:12], max_new_tokens=20, stop_on_eos=False, temperature=1.0, generator=gen).tokens
+        out = generate(target, ids[:12], max_new_tokens=20, stop_on_eos=False, sampling=SamplingConfig(temperature=1.0), generator=gen).tokens
         seq = ids[:12] + out
         with torch.no_grad():
             logits, g = target.forward(seq, target.new_cache(), return_hidden=head.hidden_layer)  # [T, V], [T, 3H]

@@ -36,8 +36,7 @@ def empirical_counts(target, drafter, cfg: SamplingConfig, prompt: list[int], n:
     gen = torch.Generator().manual_seed(seed)
     for i in range(n):
         out = generate(
-            target, prompt, drafter=drafter, max_new_tokens=2 + i % 2, temperature=cfg.temperature,
-            top_k=cfg.top_k, top_p=cfg.top_p, generator=gen, stop_on_eos=False, verifier=verifier,
+            target, prompt, drafter=drafter, max_new_tokens=2 + i % 2, sampling=cfg, generator=gen, stop_on_eos=False, verifier=verifier,
         )
         counts[out.tokens[0], out.tokens[1]] += 1
     return counts

@@ -19,6 +19,7 @@ from cascade.models import CausalLM, perturbed_copy, tiny_llama
 from cascade.models.tiny import text_aligned_copy, tiny_bpe_tokenizer
 from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
+from cascade.types import SamplingConfig
 from deep_stats import LEVEL, exact_law, lossless_pvalue, sample_outputs
 
 # ---- the bridge ---------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def test_string_match_reports_what_re_tokenization_lost(bpe_pair):
     assert r.drafts > 0 and r.drafted > 0 and r.proposed > 0 and r.shared_rows == 0
     assert 0 <= r.lost_bytes_frac < 1
     sampled = CrossTokenizerDrafter(fewer, k=4)  # sampling: auto -> the intersection
-    generate(target, ids, drafter=sampled, max_new_tokens=16, temperature=1.0, seed=0)
+    generate(target, ids, drafter=sampled, max_new_tokens=16, sampling=SamplingConfig(temperature=1.0), seed=0)
     r = sampled.describe().retokenization
     assert r.drafted == r.proposed > 0 and r.drafted_bytes == 0 and 0 < r.mean_shared_mass <= 1
 

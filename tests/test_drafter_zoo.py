@@ -230,7 +230,7 @@ def test_thompson_posterior_learns_from_verification(target):
 def test_thompson_is_reproducible_from_the_seed(target):
     runs = [
         generate(target, [1, 2, 3], drafter=LayerSkipDrafter(2, k=5, stop=ThompsonStop(0.5)), max_new_tokens=20,
-                 temperature=1.0, seed=4, stop_on_eos=False)
+                 sampling=SamplingConfig(temperature=1.0), seed=4, stop_on_eos=False)
         for _ in range(2)
     ]
     assert runs[0].tokens == runs[1].tokens

@@ -9,6 +9,7 @@ from cascade import generate, load_model
 from cascade.drafters import NGramDrafter, SmallLMDrafter
 from cascade.models import tiny_llama
 from cascade.models.lm import CausalLM
+from cascade.types import SamplingConfig
 
 
 def test_unknown_model_name():
@@ -49,16 +50,35 @@ def test_drafter_with_same_size_other_tokenizer(tiny_target):
         (dict(input_ids=[1] * 600), "exceeds the context"),
         (dict(input_ids=[1, 2], max_new_tokens=0), "max_new_tokens must be a positive integer"),
         (dict(input_ids=[1, 2], max_new_tokens=-3), "max_new_tokens must be a positive integer"),
-        (dict(input_ids=[1, 2], temperature=-0.5), "temperature must be a finite number >= 0"),
-        (dict(input_ids=[1, 2], temperature=1.0, top_p=0.0), r"top_p must lie in \(0, 1\]"),
-        (dict(input_ids=[1, 2], temperature=1.0, top_p=1.5), r"top_p must lie in \(0, 1\]"),
-        (dict(input_ids=[1, 2], temperature=1.0, top_k=0), "top_k must be a positive integer"),
         (dict(input_ids=[1, 99]), "outside the vocabulary"),
     ],
 )
 def test_generate_rejects_bad_input(tiny_target, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(tiny_target, drafter=NGramDrafter(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(temperature=1.0, top_p=0.0), r"top_p must lie in \(0, 1\]"),
+        (dict(temperature=1.0, top_p=1.5), r"top_p must lie in \(0, 1\]"),
+        (dict(temperature=1.0, top_k=0), "top_k must be a positive integer"),
+    ],
+)
+def test_bad_sampling_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+def test_generate_takes_sampling_one_way(tiny_target):
+    """Sampling settings arrive as one SamplingConfig; loose scalars or a dict are refused."""
+    with pytest.raises(TypeError, match="temperature"):
+        generate(tiny_target, [1, 2], temperature=1.0)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
+        generate(tiny_target, [1, 2], sampling={"temperature": 1.0})
 
 
 def test_bad_drafter_settings():

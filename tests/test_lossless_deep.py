@@ -66,7 +66,7 @@ def models():
 
 def target_store(target, n=40):
     """A datastore of the target's own sampled continuations of PROMPT (suffix lookups match often)."""
-    return Datastore.build(PROMPT + generate(target, PROMPT, max_new_tokens=8, temperature=1.0, seed=i, stop_on_eos=False).tokens
+    return Datastore.build(PROMPT + generate(target, PROMPT, max_new_tokens=8, sampling=SamplingConfig(temperature=1.0), seed=i, stop_on_eos=False).tokens
                            for i in range(n))
 
 
