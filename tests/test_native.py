@@ -102,6 +102,19 @@ KINDS = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4L
          "int8_vnni": NativeInt8VNNILinear, "int4_vnni": NativeInt4VNNILinear}  # kind -> module
 
 
+def test_python_kinds_are_the_extensions_enum():
+    """Each native linear module names a member of the extension's LinearKind (ops.h's enum, the
+    one place the values live), and every member has a module."""
+    from cascade.models.gguf_weights import NativeGGUFLinear, NativeGGUFQ8Linear
+    from cascade.models.native import _ext, native_kernels
+
+    if native_kernels() is None:
+        pytest.skip("cascade's native kernels do not build here")
+    modules = [*KINDS.values(), NativeGGUFLinear, NativeGGUFQ8Linear]
+    assert sorted(m.KIND for m in modules) == sorted(_ext().LinearKind.__members__)
+    assert all(m.KIND == kind for kind, m in KINDS.items())
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("shape", [(1536, 256), (896, 4864), (64, 45), (128, 33), (256, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_rows_are_bitwise_invariant(kind, shape):

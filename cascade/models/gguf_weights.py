@@ -84,7 +84,7 @@ class NativeGGUFLinear(NativeLinear):
     """A linear layer on a GGUF file's blocks (``csrc/gguf.cpp``): exact reference weights, fp32
     arithmetic, row-invariant."""
 
-    KIND, PANEL_TENSORS = 5, {"packed": "blocks"}
+    KIND, PANEL_TENSORS = "gguf", {"packed": "blocks"}
 
     def __init__(self, weight: FileTensor, bias: torch.Tensor | None) -> None:  # noqa: super().__init__ takes an nn.Linear
         nn.Module.__init__(self)
@@ -116,7 +116,7 @@ class NativeGGUFQ8Linear(NativeGGUFLinear):
     arithmetic, row-invariant, bitwise an integer reference. Not the file's real-valued model:
     the activations are rounded."""
 
-    KIND = 6
+    KIND = "gguf_q8"
 
     def _matmul(self, x2d):
         return _ext().linear_gguf_q8(x2d, self.blocks, self.qtype, self.out_features, self.bias)

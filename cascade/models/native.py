@@ -192,13 +192,13 @@ class NativeLinear(nn.Module):
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:  # [M, in] fp32 -> [M, out]
         raise NotImplementedError
 
-    KIND: int  # the extension's LinearOp kind
+    KIND: str  # the kernel it runs: a member of the extension's LinearKind (ops.h's LinearOp::Kind)
     PANEL_TENSORS: dict[str, str]  # LinearOp argument -> this module's tensor laid out by panels ([P, ...] / [P * 32])
 
     def op_fields(self) -> dict:
         """The ``LinearOp`` constructor's arguments for this layer (its kind, tensors, N, bias, group)."""
         fields = {arg: getattr(self, attr) for arg, attr in self.PANEL_TENSORS.items()}
-        fields.update(kind=self.KIND, N=self.out_features, bias=self.bias, group=getattr(self, "group", 0))
+        fields.update(kind=_ext().LinearKind.__members__[self.KIND], N=self.out_features, bias=self.bias, group=getattr(self, "group", 0))
         return fields
 
     def join_key(self) -> tuple:
@@ -231,7 +231,7 @@ class NativeLinear(nn.Module):
 class NativeFP16Linear(NativeLinear):
     """fp16 weights (exactly the checkpoint's), fp32 arithmetic, row-invariant."""
 
-    KIND, PANEL_TENSORS = 0, {"packed": "packed"}
+    KIND, PANEL_TENSORS = "fp16", {"packed": "packed"}
 
     def __init__(self, linear: nn.Linear) -> None:
         bad = fp16_inexact(linear.weight)
@@ -250,7 +250,7 @@ class NativeFP16Linear(NativeLinear):
 class NativeInt8Linear(NativeLinear):
     """int8 weights, one scale per output channel, fp32 activations and arithmetic (a drafter's)."""
 
-    KIND, PANEL_TENSORS = 1, {"packed": "packed", "scale": "scale"}
+    KIND, PANEL_TENSORS = "int8", {"packed": "packed", "scale": "scale"}
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -270,7 +270,7 @@ class NativeInt8VNNILinear(NativeLinear):
     each call), int32 sums: AVX-512 VNNI, four times fp32's multiply-adds per instruction, so a
     tree level or catch-up forward of several rows costs about one row's (a drafter's)."""
 
-    KIND, PANEL_TENSORS = 2, {"packed": "packed", "scale": "scale", "colsum": "colsum"}
+    KIND, PANEL_TENSORS = "int8_vnni", {"packed": "packed", "scale": "scale", "colsum": "colsum"}
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -301,7 +301,7 @@ class NativeInt8VNNILinear(NativeLinear):
 class NativeInt4Linear(NativeLinear):
     """int4 weights, one scale per output column and group of 64 along K (a drafter's)."""
 
-    KIND, PANEL_TENSORS = 3, {"packed": "packed", "scale": "scales"}
+    KIND, PANEL_TENSORS = "int4", {"packed": "packed", "scale": "scales"}
 
     pack = staticmethod(pack_int4)  # [N, K] 0..15 -> this kernel's byte layout ([P, K, 16])
     unpack = staticmethod(unpack_int4)
@@ -346,7 +346,7 @@ class NativeInt4VNNILinear(NativeInt4Linear):
     bit): a drafter's token nearer its bytes' cost, where fp32 arithmetic on int4 weights is
     bound by the unpacking and the FMAs (a drafter's)."""
 
-    KIND = 4
+    KIND = "int4_vnni"
     pack = staticmethod(pack_int4_vnni)
     unpack = staticmethod(unpack_int4_vnni)
 

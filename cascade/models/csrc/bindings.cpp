@@ -6,10 +6,17 @@
 using namespace cascade_native;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::enum_<LinearOp::Kind>(m, "LinearKind", "the kernels a LinearOp runs (ops.h's LinearOp::Kind)")
+      .value("fp16", LinearOp::fp16)
+      .value("int8", LinearOp::int8)
+      .value("int8_vnni", LinearOp::int8_vnni)
+      .value("int4", LinearOp::int4)
+      .value("int4_vnni", LinearOp::int4_vnni)
+      .value("gguf", LinearOp::gguf)
+      .value("gguf_q8", LinearOp::gguf_q8);
   py::class_<LinearOp>(m, "LinearOp", "a native linear layer as layer_qkv / layer_rest run it")
-      .def(py::init([](int64_t kind, torch::Tensor packed, c10::optional<torch::Tensor> scale,
+      .def(py::init([](LinearOp::Kind kind, torch::Tensor packed, c10::optional<torch::Tensor> scale,
                        c10::optional<torch::Tensor> colsum, int64_t group, int64_t N, c10::optional<torch::Tensor> bias) {
-             TORCH_CHECK(kind >= LinearOp::fp16 && kind <= LinearOp::gguf_q8, "unknown LinearOp kind ", kind);
              return LinearOp{kind, packed, scale ? *scale : torch::Tensor(), colsum ? *colsum : torch::Tensor(), group, N, bias};
            }),
            py::arg("kind"), py::arg("packed"), py::arg("scale") = py::none(), py::arg("colsum") = py::none(),

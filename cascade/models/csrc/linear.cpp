@@ -91,8 +91,8 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
     // 1.00-1.02x on the 1.5B's layers (results/kernels/linear_revision_one_stream.log).
     if (which == Isa::avx512 && M == 1) {
       for (int64_t p = pg; p < pg + count; ++p)
-        fp16_rows_avx512<1, 1>(xp, ldx, wp + p * K * NC, K * NC, K, bp ? bp + p * NC : nullptr, yp + p * NC, N,
-                               pass_ncols(N, p, 1));
+        rows_avx512<1, 1>(xp, ldx, wp + p * K * NC, K * NC, K, nullptr, bp ? bp + p * NC : nullptr, yp + p * NC, N,
+                          pass_ncols(N, p, 1));
       return;
     }
     if (which == Isa::avx512 && M <= MRF16) {  // one block: each weight read once
@@ -101,8 +101,8 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
         panel_passes<MR>(count, [&](int q, auto pp) {
           constexpr int PP = decltype(pp)::value;
           const int64_t p = pg + q;
-          fp16_rows_avx512<MR, PP>(xp, ldx, wp + p * K * NC, K * NC, K, bp ? bp + p * NC : nullptr, yp + p * NC, N,
-                                   pass_ncols(N, p, PP));
+          rows_avx512<MR, PP>(xp, ldx, wp + p * K * NC, K * NC, K, nullptr, bp ? bp + p * NC : nullptr, yp + p * NC, N,
+                              pass_ncols(N, p, PP));
         });
       });
       return;
@@ -112,9 +112,8 @@ torch::Tensor linear_fp16(const torch::Tensor& x, const torch::Tensor& packed, i
       for (int64_t p = pg; p < pg + count; ++p)
         run_rows(M, static_cast<int>(mr), [&](int64_t r0, int rows) {
           with_rows<MRF16>(rows, [&](auto r) {
-            fp16_rows_avx512<decltype(r)::value, 1>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K,
-                                                    bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N,
-                                                    pass_ncols(N, p, 1));
+            rows_avx512<decltype(r)::value, 1>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K, nullptr,
+                                               bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, pass_ncols(N, p, 1));
           });
         });
       return;
@@ -145,8 +144,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
           panel_passes<MR>(count, [&](int q, auto pp) {
             constexpr int PP = decltype(pp)::value;
             const int64_t p = pg + q;
-            int8_rows_avx512<MR, PP>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K, sp + p * NC,
-                                     bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
+            rows_avx512<MR, PP>(xp + r0 * ldx, ldx, wp + p * K * NC, K * NC, K, sp + p * NC,
+                                bp ? bp + p * NC : nullptr, yp + r0 * N + p * NC, N, pass_ncols(N, p, PP));
           });
         });
       });

@@ -56,8 +56,10 @@ struct NormOp {
 // A native linear layer as these calls run it: which kernel, and the tensors it reads (shared
 // with the Python module that made it; nothing is copied).
 struct LinearOp {
-  enum Kind { fp16 = 0, int8 = 1, int8_vnni = 2, int4 = 3, int4_vnni = 4, gguf = 5, gguf_q8 = 6 };
-  int64_t kind;
+  // The kernels a LinearOp runs; Python names them through the bound enum LinearKind (each
+  // native linear module's KIND is a member's name), so the values live here only.
+  enum Kind { fp16, int8, int8_vnni, int4, int4_vnni, gguf, gguf_q8 };
+  Kind kind;
   torch::Tensor packed, scale, colsum;  // scale: int8 [P*32] / int4 scales [P, K/G, 32]; colsum: int8_vnni
   int64_t group, N;  // group: int4's group size; gguf: the ggml block type
   c10::optional<torch::Tensor> bias;
@@ -72,7 +74,7 @@ struct LinearOp {
       case gguf: return linear_gguf(x, packed, group, N, bias);
       case gguf_q8: return linear_gguf_q8(x, packed, group, N, bias, false);
     }
-    TORCH_CHECK(false, "unknown LinearOp kind ", kind);
+    TORCH_CHECK(false, "unknown LinearOp kind ", static_cast<int>(kind));
   }
 };
 

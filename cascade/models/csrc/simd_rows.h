@@ -30,55 +30,34 @@ __attribute__((target("avx512f"))) inline void store_row(float* y, __m512 a0, __
   _mm512_mask_storeu_ps(y + 16, pm.high, a1);
 }
 
-// PP panels (side by side in memory, pstride elements apart), MR rows: acc[q][m][0..1] hold
-// columns 0-15 and 16-31 of panel q, row m. Each output element is still one sequential FMA chain
-// over k; PP > 1 only gives one or two rows enough independent chains to hide the FMA latency
-// (with 2 accumulators a 1-row pass waits on each FMA's result), so the result does not depend
-// on PP. Only the last panel of a pass may be partial (ncols valid columns).
-template <int MR, int PP>
-__attribute__((target("avx512f"))) void fp16_rows_avx512(const float* x, int64_t ldx, const uint16_t* panel,
-                                                          int64_t pstride, int64_t K, const float* bias, float* y,
-                                                          int64_t ldy, int ncols) {
-  __m512 acc[PP][MR][2];
-  for (int q = 0; q < PP; ++q)
-    for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 w[PP][2];
-    for (int q = 0; q < PP; ++q) {
-      const uint16_t* wk = panel + q * pstride + k * NC;
-      prefetch_ahead(wk);
-      w[q][0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk)));
-      w[q][1] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16)));
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      for (int q = 0; q < PP; ++q) {
-        acc[q][m][0] = _mm512_fmadd_ps(xb, w[q][0], acc[q][m][0]);
-        acc[q][m][1] = _mm512_fmadd_ps(xb, w[q][1], acc[q][m][1]);
-      }
-    }
-  }
-  for (int q = 0; q < PP; ++q) {
-    const PanelMasks pm = panel_masks(q == PP - 1 ? ncols : NC);
-    for (int m = 0; m < MR; ++m) store_row(y + m * ldy + q * NC, acc[q][m][0], acc[q][m][1], bias ? bias + q * NC : nullptr, pm);
-  }
+// 16 weights of a panel row as fp32: fp16 (F16C) or int8 (sign-extended, converted).
+template <typename WT>
+__attribute__((target("avx512f"))) inline __m512 load16_avx512(const WT* w) {
+  if constexpr (sizeof(WT) == 2) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  else return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
 
-// int8, one scale per output column: y = (sum_k x_k q_k) * scale (+ bias); PP panels as fp16's.
-template <int MR, int PP>
-__attribute__((target("avx512f"))) void int8_rows_avx512(const float* x, int64_t ldx, const int8_t* panel,
-                                                          int64_t pstride, int64_t K, const float* scale,
-                                                          const float* bias, float* y, int64_t ldy, int ncols) {
+// fp16 and int8 weights (WT: the stored type) times MR fp32 rows over PP panels (side by side in
+// memory, pstride elements apart): acc[q][m][0..1] hold columns 0-15 and 16-31 of panel q, row m.
+// Each output element is one sequential FMA chain over k; PP > 1 only gives one or two rows
+// enough independent chains to hide the FMA latency (with 2 accumulators a 1-row pass waits on
+// each FMA's result), so the result does not depend on PP. Only the last panel of a pass may be
+// partial (ncols valid columns). int8: one scale per output column, y = (sum_k x_k q_k) * scale
+// (+ bias); fp16: scale is null.
+template <int MR, int PP, typename WT>
+__attribute__((target("avx512f"))) void rows_avx512(const float* x, int64_t ldx, const WT* panel, int64_t pstride,
+                                                     int64_t K, const float* scale, const float* bias, float* y,
+                                                     int64_t ldy, int ncols) {
   __m512 acc[PP][MR][2];
   for (int q = 0; q < PP; ++q)
     for (int m = 0; m < MR; ++m) acc[q][m][0] = acc[q][m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     __m512 w[PP][2];
     for (int q = 0; q < PP; ++q) {
-      const int8_t* wk = panel + q * pstride + k * NC;
+      const WT* wk = panel + q * pstride + k * NC;
       prefetch_ahead(wk);
-      w[q][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk))));
-      w[q][1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16))));
+      w[q][0] = load16_avx512(wk);
+      w[q][1] = load16_avx512(wk + 16);
     }
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
@@ -90,10 +69,12 @@ __attribute__((target("avx512f"))) void int8_rows_avx512(const float* x, int64_t
   }
   for (int q = 0; q < PP; ++q) {
     const PanelMasks pm = panel_masks(q == PP - 1 ? ncols : NC);
-    const float* sq = scale + q * NC;
-    const __m512 s0 = _mm512_maskz_loadu_ps(pm.low, sq), s1 = _mm512_maskz_loadu_ps(pm.high, sq + 16);
     for (int m = 0; m < MR; ++m) {
-      __m512 a0 = _mm512_mul_ps(acc[q][m][0], s0), a1 = _mm512_mul_ps(acc[q][m][1], s1);
+      __m512 a0 = acc[q][m][0], a1 = acc[q][m][1];
+      if (scale) {
+        a0 = _mm512_mul_ps(a0, _mm512_maskz_loadu_ps(pm.low, scale + q * NC));
+        a1 = _mm512_mul_ps(a1, _mm512_maskz_loadu_ps(pm.high, scale + q * NC + 16));
+      }
       store_row(y + m * ldy + q * NC, a0, a1, bias ? bias + q * NC : nullptr, pm);
     }
   }
