@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from cascade.continuations import continuations
 from cascade.data import CONTINUATIONS, QA_SETS, corpus, has_chat_template, qa_pairs
 from cascade.drafters.base import Drafter
-from cascade.models.draft_head import DraftHead
+from cascade.models.heads.eagle import DraftHead
 from cascade.models.layers import decoder_parts
 from cascade.metrics import Top1Agreement
 from cascade.models.lm import FINAL_HIDDEN, CausalLM

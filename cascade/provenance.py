@@ -15,7 +15,7 @@ from torch import nn
 
 from cascade.costs import is_linear
 
-# the /proc/cpuinfo flags that decide which kernels run (cascade/models/native.py, FBGEMM, oneDNN)
+# the /proc/cpuinfo flags that decide which kernels run (cascade/models/backends/native.py, FBGEMM, oneDNN)
 KERNEL_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c")
 
 

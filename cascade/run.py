@@ -50,7 +50,7 @@ from cascade.evaluate import BASELINE, Method, SpeculativeMethod, decode_interle
 from cascade.metrics import write_json_atomic, write_jsonl_atomic
 from cascade.models import load_model
 from cascade.models.loading import shared_models
-from cascade.models.native import native_kernels, unavailable_reason
+from cascade.models.backends.native import native_kernels, unavailable_reason
 from cascade.provenance import code_state, cpu_identity, linear_kernels
 from cascade.llamacpp import LlamaCppGenerate, LlamaCppUnavailable, server_binary
 from cascade.summary import Environment, MethodSummary, RunSummary

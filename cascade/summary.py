@@ -5,7 +5,9 @@ method, the speedup against the baseline, the in-sample :class:`Decomposition`, 
 :class:`HeldOut` prediction, per-category rows and greedy divergences (:class:`MethodSummary`);
 ``cascade.run`` writes the whole :class:`RunSummary` and ``cascade.results.Job`` reads it back
 with :meth:`RunSummary.from_dict`. Every module reads these fields by attribute, never by string
-key, so a renamed field is a failing import or attribute, not a silent ``None``.
+key, so a renamed field is a failing import or attribute, not a silent ``None``. (The per-step
+rows of ``steps.jsonl`` are another file: ``Job.steps()`` returns them as the dictionaries
+``StepRecord.to_dict`` wrote, plus ``method`` and ``prompt``, read by those field names.)
 
 Metric definitions (τ counts the bonus token, α per drafter, c per drafted token against the
 verification forward, ...) are in ``cascade.metrics``' docstring.

@@ -49,7 +49,7 @@ class ReadProbe:
 
     def read_native(self) -> bool:
         """One streaming read of the buffer; False where the native extension is unavailable."""
-        from cascade.models.native import native_kernels
+        from cascade.models.backends.native import native_kernels
 
         ext = native_kernels()
         if ext is None:

@@ -1,6 +1,6 @@
 """`python -m cascade.train_adapter [overrides]`: train a Kangaroo exit adapter by self-distillation.
 
-The adapter (``cascade.models.adapter.ExitAdapter``: one attention layer and two norms on top of
+The adapter (``cascade.models.heads.adapter.ExitAdapter``: one attention layer and two norms on top of
 the target's layer ``exit_layer``, feeding the target's LM head) learns the target's own
 next-token distribution on a text set:
 
@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from cascade.data import load_prompts
 from cascade.metrics import Top1Agreement, write_json_atomic
 from cascade.models import load_model
-from cascade.models.adapter import ExitAdapter
+from cascade.models.heads.adapter import ExitAdapter
 from cascade.models.layers import decoder_parts, dense_weight
 from cascade.run import ConfigError, _output_dir
 

@@ -40,12 +40,12 @@ from cascade.head_training import (ContinuationSource, agreement, capture_featur
                                    corpus_chunks)
 from cascade.metrics import write_json_atomic
 from cascade.models import load_model
-from cascade.models.checkpoints import load_checkpoint, save_checkpoint
-from cascade.models.draft_head import DraftHead, HeadLayout
-from cascade.models.eagle3 import Eagle3Head, default_layers
+from cascade.models.heads.checkpoints import load_checkpoint, save_checkpoint
+from cascade.models.heads.eagle import DraftHead, HeadLayout
+from cascade.models.heads.eagle3 import Eagle3Head, default_layers
 from cascade.models.layers import decoder_parts, dense_weight
-from cascade.models.backend import cpu_has_native_bf16
-from cascade.models.pruned_head import rank_by_frequency
+from cascade.models.backends.backend import cpu_has_native_bf16
+from cascade.models.heads.pruned_head import rank_by_frequency
 from cascade.models.zoo import cache_root
 from cascade.run import ConfigError, _output_dir
 

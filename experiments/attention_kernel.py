@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cascade.models import zoo  # noqa: E402
-from cascade.models.native import CSRC, build_extension, native_kernels  # noqa: E402
+from cascade.models.backends.native import CSRC, build_extension, native_kernels  # noqa: E402
 
 
 def build_revision(rev: str):

@@ -1,6 +1,6 @@
 """What the direct forward saves over transformers' own: ms per forward and per sampled generation.
 
-The direct forward (``cascade/models/direct.py``) and transformers' forward run the same
+The direct forward (``cascade/models/backends/direct.py``) and transformers' forward run the same
 arithmetic; this times both, interleaved in one process (rounds alternate, medians), on
 
 - the deep losslessness suite's float64 tiny models (``tests/test_lossless_deep.py``: 3 layers,
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from cascade import generate, load_model
-from cascade.models.direct import DirectDecoder
+from cascade.models.backends.direct import DirectDecoder
 from cascade.types import SamplingConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

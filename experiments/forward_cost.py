@@ -3,8 +3,8 @@ backend side by side in one process, and where the time goes (per component).
 
 This is the slack speculative verification lives on. Backends: bf16 (transformers' kernels),
 fp32, fp32 with oneDNN linears, fp16 weights with fp32 arithmetic through FBGEMM
-(``dtype="fp16w"``, ``cascade.models.cpu_kernels``) or through cascade's native row-invariant
-kernels (``native``: ``dtype="native"``, ``cascade.models.native``, with its lean forward, each
+(``dtype="fp16w"``, ``cascade.models.backends.cpu_kernels``) or through cascade's native row-invariant
+kernels (``native``: ``dtype="native"``, ``cascade.models.backends.native``, with its lean forward, each
 layer two native calls; ``native_ops``: the lean forward a Python call per operation;
 ``native_hf``: the same kernels under transformers' own forward), and the drafters' quantized
 copies (``int8``: torch's dynamic int8; ``int8n`` / ``int4n``: the native weight-only kernels;
@@ -45,7 +45,7 @@ import torch
 import transformers
 
 from cascade import load_model
-from cascade.models.lean import FusedLayer, LeanDecoder
+from cascade.models.backends.lean import FusedLayer, LeanDecoder
 from cascade.theory import forward_floor_s
 from cascade.timing import Bandwidth, ReadProbe, median_s
 
@@ -116,7 +116,7 @@ def forward_times(lms: dict, ks, repeats: int, probe_gib: float = 0.0) -> tuple[
 def gguf_linear_bytes(lm) -> int:
     """Bytes of the GGUF blocks the model's linear layers read per forward (the embedding's,
     read one row per token, not counted)."""
-    from cascade.models.gguf_weights import NativeGGUFLinear
+    from cascade.models.backends.gguf_weights import NativeGGUFLinear
 
     return sum(m.blocks.numel() for m in lm.model.modules() if isinstance(m, NativeGGUFLinear))
 
@@ -124,7 +124,7 @@ def gguf_linear_bytes(lm) -> int:
 def native_linears(lm) -> list:
     """The model's native linear modules in the order its forward calls them (LM head last);
     empty for a backend on other kernels."""
-    from cascade.models.native import NativeLinear
+    from cascade.models.backends.native import NativeLinear
 
     return [m for m in lm.model.modules() if isinstance(m, NativeLinear)]
 
@@ -178,7 +178,7 @@ def component_times(lm, k: int, repeats: int) -> dict[str, float]:
 
 
 def _component_times(lm, k: int, repeats: int) -> dict[str, float]:
-    from cascade.models import native
+    from cascade.models.backends import native
 
     spent: dict[str, float] = defaultdict(float)
     start: dict[int, float] = {}

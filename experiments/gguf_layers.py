@@ -16,7 +16,7 @@ import torch
 from gguf import GGUFReader
 
 from cascade.models.loading import gguf_source
-from cascade.models.native import native_kernels
+from cascade.models.backends.native import native_kernels
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ from torch import nn
 
 from cascade import load_model
 from cascade.head_training import Chunk, agreement, capture_features, chunk_loss, chunks_sha256, corpus_chunks, target_features
-from cascade.models.draft_head import DraftHead, HeadLayout
+from cascade.models.heads.eagle import DraftHead, HeadLayout
 from cascade.models.layers import decoder_parts, dense_weight
 from cascade.models.zoo import cache_root
 
@@ -97,7 +97,7 @@ def _overfit_vocab(lm, chunks: list[Chunk], size: int) -> torch.Tensor:
     """The ids a head fitting ``chunks`` needs (every token there and every target argmax after
     them, so the training-set agreement can reach 1), topped up to ``size`` with the ids most
     frequent in the chunks: the FR-Spec restriction training uses, at a size that trains fast."""
-    from cascade.models.pruned_head import rank_by_frequency
+    from cascade.models.heads.pruned_head import rank_by_frequency
 
     head = decoder_parts(lm).head
     needed = set()

@@ -48,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", required=True, help="the git revision to compare the working tree's kernels with")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--quantize", default="int4_vnni", help="cascade.models.quantize method, or none (native fp16)")
+    ap.add_argument("--quantize", default="int4_vnni", help="cascade.models.backends.quantize method, or none (native fp16)")
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=2)

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cascade.models import zoo  # noqa: E402
-from cascade.models.native import SOURCES, build_extension, pack_fp16  # noqa: E402
+from cascade.models.backends.native import SOURCES, build_extension, pack_fp16  # noqa: E402
 
 
 def build_variant(prefetch_bytes: int, rows: int):

@@ -13,9 +13,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from cascade.models import tiny_llama
-from cascade.models.backend import BACKENDS
-from cascade.models.gguf_weights import use_gguf_weights
-from cascade.models.lean import attach_lean
+from cascade.models.backends.backend import BACKENDS
+from cascade.models.backends.gguf_weights import use_gguf_weights
+from cascade.models.backends.lean import attach_lean
 
 # the fp16 field(s) of each format's block: byte offsets
 F16_FIELDS = {T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,), T.Q4_K: (0, 2), T.Q6_K: (208,)}

@@ -4,7 +4,7 @@ import torch
 
 from cascade import generate
 from cascade.head_training import Chunk, chunk_loss, target_features
-from cascade.models.draft_head import EAGLE_LAYOUT, DraftHead, HeadLayout
+from cascade.models.heads.eagle import EAGLE_LAYOUT, DraftHead, HeadLayout
 from cascade.models.layers import decoder_parts
 from cascade.types import SamplingConfig
 
@@ -99,7 +99,7 @@ def eagle3_state(head, target) -> dict:
 
 
 def eagle3_config(target, draft_vocab: int, layers=None) -> dict:
-    from cascade.models.eagle3 import rope_theta
+    from cascade.models.heads.eagle3 import rope_theta
 
     c = target.model.config
     config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": c.hidden_size,
@@ -166,7 +166,7 @@ def eagle3_release(target, layers=None, drop=(5, 11), steps=80, seed=0, motif=3)
     (None: EAGLE-3's default for the target's depth)."""
     import tempfile
 
-    from cascade.models.eagle3 import Eagle3Head, default_layers
+    from cascade.models.heads.eagle3 import Eagle3Head, default_layers
 
     key = (id(target), layers, drop, steps, seed, motif)
     if key in _releases3:

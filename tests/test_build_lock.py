@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cascade.models.build_lock import LOCK_NAME, TORCH_LOCK_NAME, BuildLockTimeout, build_lock
+from cascade.models.backends.build_lock import LOCK_NAME, TORCH_LOCK_NAME, BuildLockTimeout, build_lock
 
 
 def _lock_of(pid: int) -> str:
@@ -23,7 +23,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, caplog):
     # a process takes the lock the way a build does, and is killed holding it (SIGKILL: no cleanup)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import pathlib, time
-        from cascade.models.build_lock import build_lock
+        from cascade.models.backends.build_lock import build_lock
         with build_lock(pathlib.Path({str(tmp_path)!r})):
             (pathlib.Path({str(tmp_path)!r}) / {TORCH_LOCK_NAME!r}).write_text("")  # torch's baton, mid-build
             print("held", flush=True)
@@ -35,7 +35,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path, caplog):
     assert (tmp_path / LOCK_NAME).exists() and (tmp_path / TORCH_LOCK_NAME).exists()
 
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="cascade.models.build_lock"):
+    with caplog.at_level(logging.WARNING, logger="cascade.models.backends.build_lock"):
         with build_lock(tmp_path, timeout_s=5):
             assert not (tmp_path / TORCH_LOCK_NAME).exists(), "torch's stale lock would hang its own loader"
             assert (tmp_path / LOCK_NAME).read_text() == _lock_of(os.getpid())
@@ -74,8 +74,8 @@ def test_a_build_that_cannot_take_the_lock_falls_back_with_the_reason(tmp_path):
     process (this test's); the loader gives up after CASCADE_BUILD_TIMEOUT and says why."""
     script = textwrap.dedent(f"""
         import os, socket
-        from cascade.models import native
-        from cascade.models.build_lock import LOCK_NAME
+        from cascade.models.backends import native
+        from cascade.models.backends.build_lock import LOCK_NAME
         d = native._build_dir(); d.mkdir(parents=True, exist_ok=True)
         (d / LOCK_NAME).write_text(f"{{os.getppid()}} {{socket.gethostname()}}\\n")
         print(native.unavailable_reason())

@@ -9,7 +9,7 @@ from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade.drafters import ConfidenceStop, DraftHeadDrafter, NGramDrafter, SmallLMDrafter, ThompsonStop
 from cascade.head_training import Chunk, target_features, unroll, unroll_mask
 from cascade.models import tiny_llama
-from cascade.models.draft_head import DraftHead, HeadCheckpointError
+from cascade.models.heads.eagle import DraftHead, HeadCheckpointError
 from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy
 from head_fit import fitted_head

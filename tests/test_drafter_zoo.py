@@ -11,7 +11,7 @@ from cascade import generate
 from cascade.cascades import HorizontalCascade, VerticalCascade
 from cascade.drafters import ConfidenceStop, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter, ThompsonStop
 from cascade.models import load_model, perturbed_copy, tiny_llama
-from cascade.models.adapter import ExitAdapter
+from cascade.models.heads.adapter import ExitAdapter
 from cascade.models.layers import head_logits, layer_lengths, run_layers
 from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, StaticTreePolicy

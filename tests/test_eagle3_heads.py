@@ -1,4 +1,4 @@
-"""Published EAGLE-3 heads (``cascade.models.eagle3``): synthetic releases written with the key
+"""Published EAGLE-3 heads (``cascade.models.heads.eagle3``): synthetic releases written with the key
 names, shapes and vocabulary maps of EAGLE-3's released code (tests/head_fit.eagle3_release)
 load for the target they fit, compute what an independent re-implementation of EAGLE-3's head
 computes from the raw weights, read the target's three layers through the decode loop, draft in
@@ -13,8 +13,8 @@ import torch
 from cascade import generate
 from cascade.drafters import DraftHeadDrafter
 from cascade.models import perturbed_copy, tiny_llama
-from cascade.models.draft_head import DraftHead, HeadCheckpointError
-from cascade.models.eagle3 import FORMAT, Eagle3Head, open_head
+from cascade.models.heads.eagle import DraftHead, HeadCheckpointError
+from cascade.models.heads.eagle3 import FORMAT, Eagle3Head, open_head
 from cascade.models.layers import decoder_parts
 from head_fit import eagle3_config, eagle3_release, write_eagle3
 from test_eagle_heads import ROLES, _rotate_half  # the same roles and RoPE helper as EAGLE-1/2 releases

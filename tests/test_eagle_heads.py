@@ -14,7 +14,7 @@ from cascade import generate
 from cascade.cascades import VerticalCascade
 from cascade.drafters import DraftHeadDrafter, NGramDrafter, SmallLMDrafter
 from cascade.models import perturbed_copy, tiny_llama
-from cascade.models.draft_head import EAGLE_LAYOUT, DraftHead, HeadCheckpointError, HeadLayout
+from cascade.models.heads.eagle import EAGLE_LAYOUT, DraftHead, HeadCheckpointError, HeadLayout
 from cascade.models.layers import decoder_parts
 from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, StaticTreePolicy

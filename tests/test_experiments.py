@@ -65,7 +65,7 @@ def test_benchmarks_are_found():
 
 
 def _cpu_has_vnni() -> bool:
-    from cascade.models.native import native_kernels
+    from cascade.models.backends.native import native_kernels
 
     return native_kernels() is not None and native_kernels().has_vnni()
 

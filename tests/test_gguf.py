@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from cascade import generate
-from cascade.models.native import fp32_sum_bound, native_kernels
+from cascade.models.backends.native import fp32_sum_bound, native_kernels
 
 from gguf_files import K_QUANTS, LEGACY, random_blocks, reference_model, tiny_gguf_target
 
@@ -105,10 +105,10 @@ def tiny_gguf(request, tmp_path_factory):
 
 
 def test_tiny_gguf_logits_match_the_reference_weights(tiny_gguf):
-    from cascade.models.gguf_weights import NativeGGUFLinear
-    from cascade.models.lean import LeanDecoder
+    from cascade.models.backends.gguf_weights import NativeGGUFLinear
+    from cascade.models.backends.lean import LeanDecoder
 
-    from cascade.models.gguf_weights import NativeGGUFQ8Linear
+    from cascade.models.backends.gguf_weights import NativeGGUFQ8Linear
 
     lm, file = tiny_gguf
     assert isinstance(lm.lean, LeanDecoder)
@@ -138,7 +138,7 @@ def test_every_method_is_greedy_autoregressive_on_a_gguf_target(tiny_gguf):
 
 def test_the_file_and_the_model_must_match(tmp_path):
     from cascade.models import tiny_llama
-    from cascade.models.gguf_weights import use_gguf_weights
+    from cascade.models.backends.gguf_weights import use_gguf_weights
 
     _, file = tiny_gguf_target(tmp_path / "t.gguf", LEGACY, 64)
     other = tiny_llama(vocab_size=256, hidden_size=64, num_layers=5, seed=0, dtype=torch.float32)
@@ -161,7 +161,7 @@ def test_smollm2_file_on_the_gguf_backend():
     from cascade.data import BUILTIN, encode_prompt
     from cascade.drafters import NGramDrafter, SmallLMDrafter
     from cascade.models import load_model
-    from cascade.models.gguf_weights import NativeGGUFLinear
+    from cascade.models.backends.gguf_weights import NativeGGUFLinear
 
     target = load_model("smollm2-135m", backend="gguf")
     assert target.backend.name == "gguf"

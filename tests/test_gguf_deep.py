@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cascade.models import perturbed_copy
-from cascade.models.native import native_kernels
+from cascade.models.backends.native import native_kernels
 from deep_stats import exact_law, lossless_pvalue, sample_outputs
 from gguf_files import LEGACY, gguf_copy, reference_model
 from test_lossless_deep import L, PROMPTS, SETTINGS, V, _assert_lossless, damped, methods

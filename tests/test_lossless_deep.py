@@ -21,8 +21,8 @@ from cascade import generate
 from cascade.drafters import (ConfidenceStop, Datastore, DraftHeadDrafter, LayerSkipDrafter, NGramDrafter, QuantizedLMDrafter, SmallLMDrafter,
                               SuffixDrafter, ThompsonStop, TokenRecyclingDrafter)
 from cascade.models import perturbed_copy, tiny_llama
-from cascade.models.adapter import ExitAdapter
-from cascade.models.pruned_head import prune_head
+from cascade.models.heads.adapter import ExitAdapter
+from cascade.models.heads.pruned_head import prune_head
 from cascade.sampling import logits_to_probs
 from cascade.trees.drafter import TreeDrafter
 from cascade.trees import DynamicTreePolicy, RerankedTreePolicy, StaticTreePolicy

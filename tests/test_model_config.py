@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 import cascade.run as run_mod
 import cascade.train_adapter as train_mod
 from cascade.models import load_model
-from cascade.models.adapter import ExitAdapter
+from cascade.models.heads.adapter import ExitAdapter
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

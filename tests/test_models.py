@@ -53,7 +53,7 @@ def test_tiny_models_are_reproducible():
 def test_onednn_linears_match_dense_and_keep_greedy_equality():
     from cascade import generate
     from cascade.drafters import NGramDrafter
-    from cascade.models.cpu_kernels import OneDNNLinear, use_onednn_linears
+    from cascade.models.backends.cpu_kernels import OneDNNLinear, use_onednn_linears
 
     dense = tiny_llama(vocab_size=64, seed=4, dtype="float32")
     fast = tiny_llama(vocab_size=64, seed=4, dtype="float32")
@@ -68,9 +68,9 @@ def test_onednn_linears_match_dense_and_keep_greedy_equality():
 
 
 def test_auto_backend_choice():
-    from cascade.models.backend import BACKENDS, auto_backend, cpu_has_native_bf16
-    from cascade.models.cpu_kernels import fbgemm_available
-    from cascade.models.native import native_kernels
+    from cascade.models.backends.backend import BACKENDS, auto_backend, cpu_has_native_bf16
+    from cascade.models.backends.cpu_kernels import fbgemm_available
+    from cascade.models.backends.native import native_kernels
 
     chosen = auto_backend(torch.device("cpu"))
     if native_kernels() is not None:
@@ -83,7 +83,7 @@ def test_auto_backend_choice():
 
 
 def test_backend_is_one_value_chosen_once_and_recorded_on_the_model():
-    from cascade.models.backend import BACKENDS, backend_named
+    from cascade.models.backends.backend import BACKENDS, backend_named
 
     lm = load_model("tiny:0", "float64")
     assert lm.backend == BACKENDS["float64"] and lm.dtype == torch.float64
@@ -99,8 +99,8 @@ def test_backend_is_one_value_chosen_once_and_recorded_on_the_model():
 
 
 def test_auto_quantization_choice():
-    from cascade.models.native import native_kernels
-    from cascade.models.quantize import resolve_method
+    from cascade.models.backends.native import native_kernels
+    from cascade.models.backends.quantize import resolve_method
 
     ext = native_kernels()  # (tests/test_native.py runs the no-extension branch with it disabled)
     expected = "int8_dynamic" if ext is None else ("int4_vnni" if ext.int8_dot_isa() != "none" else "int8_native")
@@ -153,7 +153,7 @@ def _bf16_valued(lm):
 
 
 def test_fp16_weight_linear_equals_the_fp64_product():
-    from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available
+    from cascade.models.backends.cpu_kernels import FP16WeightLinear, fbgemm_available
 
     if not fbgemm_available():
         pytest.skip("FBGEMM is not available in this torch build")
@@ -172,7 +172,7 @@ def test_fp16_weight_linear_equals_the_fp64_product():
 
 
 def test_fp16_exactness_check_refuses_what_fp16_cannot_hold():
-    from cascade.models.cpu_kernels import FP16WeightLinear, InexactWeightError, fp16_inexact, fbgemm_available, use_fp16_weight_linears
+    from cascade.models.backends.cpu_kernels import FP16WeightLinear, InexactWeightError, fp16_inexact, fbgemm_available, use_fp16_weight_linears
 
     w = torch.tensor([[1.0, 0.5, 2.0**-10, 70000.0], [2.0**-30, 1.0 + 2.0**-7, -3.0, 0.0]])
     assert fp16_inexact(w) == 2  # 70000 is out of range; 2^-30 is below fp16's subnormals
@@ -193,7 +193,7 @@ def test_fp16_exactness_check_refuses_what_fp16_cannot_hold():
 def test_fp16_weight_backend_keeps_greedy_equality():
     from cascade import generate
     from cascade.drafters import NGramDrafter, SmallLMDrafter
-    from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
+    from cascade.models.backends.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
 
     if not fbgemm_available():
         pytest.skip("FBGEMM is not available in this torch build")
@@ -264,7 +264,7 @@ def test_direct_decoder_is_attached_and_bitwise_transformers_forward():
     (DirectDecoder, checked on a probe at the first forward): bitwise the same logits and hidden
     states on chains, trees, compaction and keep_last; and layer-level access (early exits) is
     bitwise the full forward's states after that layer."""
-    from cascade.models.direct import DirectDecoder, LlamaLayer, ModuleLayer
+    from cascade.models.backends.direct import DirectDecoder, LlamaLayer, ModuleLayer
     from cascade.models.layers import run_layers
 
     lm = tiny_llama(vocab_size=40, num_layers=3, seed=2)
@@ -299,7 +299,7 @@ def test_direct_decoder_is_refused_where_the_model_forward_does_more(caplog):
         return out
 
     lm.model.forward = scaled
-    with caplog.at_level(logging.INFO, logger="cascade.models.direct"):
+    with caplog.at_level(logging.INFO, logger="cascade.models.backends.direct"):
         logits = lm.forward([1, 2, 3], lm.new_cache())
     assert lm.lean is None and "differ from transformers' forward" in caplog.text
     assert torch.equal(logits, lm.transformers_forward([1, 2, 3], lm.new_cache()))

@@ -1,4 +1,4 @@
-"""cascade's native CPU kernels (cascade/models/native.py, csrc/) and the lean
+"""cascade's native CPU kernels (cascade/models/backends/native.py, csrc/) and the lean
 forward: accuracy against an fp64 reference within the stated fp32 bound on every linear shape
 the zoo's models use, odd sizes, 1-32 rows and non-contiguous inputs; bitwise row invariance
 (row i of an M-row call is the 1-row call on row i, M = 1..32) for the linears and the attention
@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from cascade.models.native import (NativeFP16Linear, NativeInt4Linear, NativeInt4VNNILinear, NativeInt8Linear,
+from cascade.models.backends.native import (NativeFP16Linear, NativeInt4Linear, NativeInt4VNNILinear, NativeInt8Linear,
                                    NativeInt8VNNILinear, fp32_sum_bound, pack_int4_vnni, unpack_int4_vnni,
                                    native_kernels,
                                    native_attention, side_by_side, swap_linears, unavailable_reason)
@@ -105,8 +105,8 @@ KINDS = {"fp16": NativeFP16Linear, "int8": NativeInt8Linear, "int4": NativeInt4L
 def test_python_kinds_are_the_extensions_enum():
     """Each native linear module names a member of the extension's LinearKind (ops.h's enum, the
     one place the values live), and every member has a module."""
-    from cascade.models.gguf_weights import NativeGGUFLinear, NativeGGUFQ8Linear
-    from cascade.models.native import _ext, native_kernels
+    from cascade.models.backends.gguf_weights import NativeGGUFLinear, NativeGGUFQ8Linear
+    from cascade.models.backends.native import _ext, native_kernels
 
     if native_kernels() is None:
         pytest.skip("cascade's native kernels do not build here")
@@ -177,7 +177,7 @@ def test_native_rms_norm_is_bitwise_atens_sum_order():
     wrong somewhere (the order is what the test checks, not a tolerance)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-    from cascade.models.native import norm_lanes
+    from cascade.models.backends.native import norm_lanes
 
     lanes = norm_lanes()
     assert lanes in (8, 16)  # found on this machine; 0 would mean the norms run ATen's ops
@@ -343,7 +343,7 @@ def tiny_native():
 
 
 def _native_tiny(hidden_size: int, num_layers: int):
-    from cascade.models.lean import attach_lean
+    from cascade.models.backends.lean import attach_lean
     from cascade.models.tiny import tiny_llama
 
     lm = tiny_llama(vocab_size=256, hidden_size=hidden_size, num_layers=num_layers, seed=0, dtype=torch.float32,
@@ -358,9 +358,9 @@ def _native_tiny(hidden_size: int, num_layers: int):
 
 
 def test_tiny_model_runs_the_lean_forward(tiny_native):
-    from cascade.models.lean import LeanDecoder
+    from cascade.models.backends.lean import LeanDecoder
 
-    from cascade.models.lean import FusedLayer
+    from cascade.models.backends.lean import FusedLayer
 
     assert isinstance(tiny_native.lean, LeanDecoder)
     assert all(isinstance(layer, FusedLayer) for layer in tiny_native.lean.layers)  # two native calls per layer
@@ -375,7 +375,7 @@ def test_fused_layers_are_bitwise_the_per_op_layers(quantize):
     """Each kernel kind through the two-call layer (LinearOp) equals the per-op Python layer bit
     for bit: a chain step, a block with hidden states, and a tree-masked forward (a model 64 wide,
     so that int4's groups of 64 fit every layer)."""
-    from cascade.models.lean import FusedLayer, LeanDecoder, OpsLayer
+    from cascade.models.backends.lean import FusedLayer, LeanDecoder, OpsLayer
     from cascade.models.loading import quantized_copy
     from cascade.tree_structure import tree_mask, tree_positions
 
@@ -447,8 +447,8 @@ def test_trained_modules_copied_from_a_native_target_keep_a_differentiable_atten
     """The native attention has no backward: a draft head or exit adapter copied from a target on
     the native backend must run transformers' attention, or training would silently get no
     gradient through it."""
-    from cascade.models.adapter import ExitAdapter
-    from cascade.models.draft_head import DraftHead
+    from cascade.models.heads.adapter import ExitAdapter
+    from cascade.models.heads.eagle import DraftHead
 
     head = DraftHead.from_target(tiny_native)
     adapter = ExitAdapter.from_target(tiny_native, 2)
@@ -520,7 +520,7 @@ def test_lean_forward_on_a_transformers_cache_is_bitwise_the_preallocated_one(ti
 def test_pruned_head_on_the_native_backend(tiny_native):
     """FR-Spec's pruned LM head on a native model: the kept rows on the same kernel (bitwise the
     full head's logits there), -inf elsewhere, and the pruned model keeps the lean forward."""
-    from cascade.models.pruned_head import prune_head
+    from cascade.models.heads.pruned_head import prune_head
 
     keep = torch.tensor([3, 17, 40, 41, 200])
     pruned = prune_head(tiny_native, keep)
@@ -611,15 +611,15 @@ def test_disabled_extension_falls_back_to_fbgemm():
     code = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.INFO)\n"
-        "from cascade.models.backend import auto_backend\n"
+        "from cascade.models.backends.backend import auto_backend\n"
         "from cascade.models.loading import load_model\n"
-        "from cascade.models.cpu_kernels import fbgemm_available\n"
-        "from cascade.models.native import native_kernels, unavailable_reason\n"
+        "from cascade.models.backends.cpu_kernels import fbgemm_available\n"
+        "from cascade.models.backends.native import native_kernels, unavailable_reason\n"
         "assert native_kernels() is None and 'CASCADE_NATIVE=0' in unavailable_reason()\n"
         "expected = 'fp16w' if fbgemm_available() else None\n"
         "got = auto_backend(torch.device('cpu')).name\n"
         "assert expected is None or got == expected, got\n"
-        "from cascade.models.quantize import resolve_method\n"
+        "from cascade.models.backends.quantize import resolve_method\n"
         "assert resolve_method('auto', torch.device('cpu')) == 'int8_dynamic'\n"
         "try:\n"
         "    load_model('tiny:0', backend='native')\n"
@@ -642,7 +642,7 @@ def _native_copy(lm, name):
     import copy
 
     from cascade.models import CausalLM
-    from cascade.models.lean import attach_lean
+    from cascade.models.backends.lean import attach_lean
 
     model = copy.deepcopy(lm.model).float()
     with torch.no_grad():

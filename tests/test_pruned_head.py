@@ -1,4 +1,4 @@
-"""A drafter's LM head cut to frequent tokens (cascade.models.pruned_head, FR-Spec)."""
+"""A drafter's LM head cut to frequent tokens (cascade.models.heads.pruned_head, FR-Spec)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from cascade import generate
 from cascade.drafters import SmallLMDrafter, frequent_head
 from cascade.models import perturbed_copy, tiny_llama
-from cascade.models.pruned_head import PrunedHead, prune_head, rank_by_frequency
+from cascade.models.heads.pruned_head import PrunedHead, prune_head, rank_by_frequency
 
 
 def test_rank_by_frequency_orders_by_count_then_id():
@@ -42,9 +42,9 @@ def test_pruning_keeps_eos_and_refuses_bad_input(tiny_target):
 
 @pytest.mark.parametrize("backend", ["fp16w", "onednn", "int8"])
 def test_pruned_head_runs_on_the_heads_own_kernel(backend):
-    from cascade.models.cpu_kernels import (FP16WeightLinear, OneDNNLinear, fbgemm_available, onednn_available, use_fp16_weight_linears,
+    from cascade.models.backends.cpu_kernels import (FP16WeightLinear, OneDNNLinear, fbgemm_available, onednn_available, use_fp16_weight_linears,
                                             use_onednn_linears)
-    from cascade.models.quantize import quantize_int8_dynamic
+    from cascade.models.backends.quantize import quantize_int8_dynamic
 
     if backend in ("fp16w", "int8") and not fbgemm_available():
         pytest.skip("FBGEMM is not available in this torch build")

@@ -26,7 +26,7 @@ def smollm():
 @pytest.fixture(scope="module")
 def smollm_fp16w():
     """The same weights through the FBGEMM fp16-weight backend (target and drafter)."""
-    from cascade.models.cpu_kernels import fbgemm_available
+    from cascade.models.backends.cpu_kernels import fbgemm_available
 
     if not fbgemm_available():
         pytest.skip("FBGEMM is not available in this torch build")

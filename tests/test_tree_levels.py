@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cascade.drafters import LayerSkipDrafter, SmallLMDrafter
-from cascade.models.adapter import ExitAdapter
+from cascade.models.heads.adapter import ExitAdapter
 from cascade.models.layers import head_logits, layer_lengths, run_layers
 from cascade.tree_structure import depths_of, path_to
 from cascade.types import SamplingConfig

@@ -1,10 +1,10 @@
 """`DraftHeadDrafter`: drafts with an EAGLE-style head on the target's own features.
 
-The head (``cascade.models.draft_head.DraftHead``) needs the target's feature f_t (the LM head's
+The head (``cascade.models.heads.eagle.DraftHead``) needs the target's feature f_t (the LM head's
 input) at every committed position; the drafter asks the decode loop for them
 (``hidden_layer = FINAL_HIDDEN``), which reads them from the target's own forwards: the prompt's
 at prefill, the committed path's after each verification (in tree order for a tree). An EAGLE-3
-head (``cascade.models.eagle3.Eagle3Head``) asks for three layers' states instead
+head (``cascade.models.heads.eagle3.Eagle3Head``) asks for three layers' states instead
 (``hidden_layer`` is then the head's tuple of layers) and is driven the same way.
 
 Positions. With committed tokens x_0..x_T (x_T the root, the last token, whose feature the next
@@ -30,8 +30,8 @@ from cascade.costs import ForwardShape, linear_bytes
 from cascade.drafters.base import DraftStart, Outcome
 from cascade.drafters.lm_base import LMDrafter, TreeCacheState
 from cascade.drafters.stopping import StopPolicy
-from cascade.models.draft_head import DraftHead
-from cascade.models.eagle3 import Eagle3Head, open_head
+from cascade.models.heads.eagle import DraftHead
+from cascade.models.heads.eagle3 import Eagle3Head, open_head
 from cascade.models.lm import FINAL_HIDDEN, CausalLM, HiddenLayers, notify_forward
 
 
@@ -44,7 +44,7 @@ class DraftHeadDrafter(LMDrafter):
                  stop_below: float | None = None, name: str | None = None) -> None:
         """head: a ``DraftHead`` or ``Eagle3Head``, a checkpoint path (``python -m
         cascade.train_head``), a published EAGLE-1/2 or EAGLE-3 head (its directory or weight
-        file: ``cascade.models.eagle3.open_head``), or "init" (untrained, built from the target:
+        file: ``cascade.models.heads.eagle3.open_head``), or "init" (untrained, built from the target:
         for debug runs and tests)."""
         super().__init__(k=k, sample=sample, stop=stop, stop_below=stop_below)
         self._head_spec = head

@@ -3,7 +3,7 @@
 :func:`frequent_head` ranks the vocabulary by frequency in named ``cascade.data`` corpora
 (tokenized with the model's tokenizer and cached, the same datastore the suffix drafter
 reads) and returns the model with its head cut to the first ``vocab`` ids
-(``cascade.models.pruned_head``): a cheaper drafter forward, a drafter that cannot propose
+(``cascade.models.heads.pruned_head``): a cheaper drafter forward, a drafter that cannot propose
 the other ids. Lossless whatever is kept (the target verifies); only acceptance changes.
 Usable from a config as a drafter's ``model``:
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from cascade.drafters.suffix import SEP, corpus_datastore
 from cascade.models.lm import CausalLM
-from cascade.models.pruned_head import prune_head, rank_by_frequency
+from cascade.models.heads.pruned_head import prune_head, rank_by_frequency
 
 DEFAULT_CORPUS = ("humaneval_solutions", "gsm8k_answers")
 

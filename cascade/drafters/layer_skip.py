@@ -27,7 +27,7 @@ import torch
 from cascade.drafters.base import DraftStart, Outcome, SharesCache
 from cascade.drafters.lm_base import LMDrafter
 from cascade.drafters.stopping import StopPolicy
-from cascade.models.adapter import ExitAdapter
+from cascade.models.heads.adapter import ExitAdapter
 from cascade.models.layers import crop_layers, decoder_parts, head_logits, layer_lengths, run_layers
 from cascade.models.lm import CausalLM
 
@@ -82,7 +82,7 @@ class AdapterExit:
             self.adapter = ExitAdapter.from_target(target, exit_layer)
         elif isinstance(self.spec, str):
             self.adapter = ExitAdapter.load(self.spec, target)
-        self.adapter.check_target(target, exit_layer)
+        self.adapter.for_exit(target, exit_layer)
         self.reset()
 
     def reset(self) -> None:

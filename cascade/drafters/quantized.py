@@ -14,7 +14,7 @@ class QuantizedLMDrafter(SmallLMDrafter):
     """``model``: a model name/path (loaded quantized with ``quantize``) or a loaded ``CausalLM``
     (copied, then quantized; the original is untouched). ``quantize``: "auto" (nf4 on CUDA;
     on CPU int4_vnni, int8_native or int8_dynamic, whichever this CPU runs fastest), or one of
-    ``cascade.models.quantize.METHODS``; see that module."""
+    ``cascade.models.backends.quantize.METHODS``; see that module."""
 
     def __init__(
         self,

@@ -2,7 +2,7 @@
 
 Decoders built like Llama / Qwen2 / Mistral (embeddings, a ``layers`` list, a final ``norm``, a
 ``rotary_emb``, the LM head): the first ``n`` layers run through
-``cascade.models.direct.DirectDecoder.run``, which mirrors the model's own forward layer for
+``cascade.models.backends.direct.DirectDecoder.run``, which mirrors the model's own forward layer for
 layer (same mask builder, same position embeddings, the same layer arithmetic). Nothing here mutates the
 model or its config: self-drafting shares the target's weights and cache as they are.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from cascade.models.direct import DirectDecoder
+from cascade.models.backends.direct import DirectDecoder
 from cascade.models.lm import CausalLM
 
 
@@ -53,7 +53,7 @@ def trainable_attention(config) -> str:
     """The attention implementation a trained module copied from the target (a draft head, an
     exit adapter) runs: the target's, unless it is cascade's native kernel, which has no backward
     (gradients would silently not flow through it): then transformers' sdpa."""
-    from cascade.models.native import ATTENTION
+    from cascade.models.backends.native import ATTENTION
 
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
     return "sdpa" if impl == ATTENTION else impl

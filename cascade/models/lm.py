@@ -21,10 +21,10 @@ from transformers.cache_utils import DynamicLayer
 
 # FINAL_HIDDEN (return_hidden's "after the final norm") is defined beside the direct forward
 from cascade.costs import ForwardShape
-from cascade.models.backend import Backend
-from cascade.models.direct import FINAL_HIDDEN, DirectDecoder, checked_direct_decoder
+from cascade.models.backends.backend import Backend
+from cascade.models.backends.direct import FINAL_HIDDEN, DirectDecoder, checked_direct_decoder
 from cascade.models.kv_cache import PreallocatedLayer
-from cascade.models.lean import LeanDecoder
+from cascade.models.backends.lean import LeanDecoder
 
 # What a forward may return beside its logits: None, one layer (``L`` after the first L decoder
 # layers, or FINAL_HIDDEN), or several layers' states concatenated in the order given (EAGLE-3
@@ -69,15 +69,15 @@ class CausalLM:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     name: str
-    # The forward that runs: a LeanDecoder (native backends; ``cascade.models.lean``), a
+    # The forward that runs: a LeanDecoder (native backends; ``cascade.models.backends.lean``), a
     # DirectDecoder (transformers' forward with its modules called directly; bitwise the same,
-    # ``cascade.models.direct``), or None: transformers' forward itself. Read as ``lean``; set
+    # ``cascade.models.backends.direct``), or None: transformers' forward itself. Read as ``lean``; set
     # only through ``use_forward`` (the backend's loader, the direct forward's probe).
     _decoder: LeanDecoder | DirectDecoder | None = field(default=None, kw_only=True, repr=False)
     # At the first forward, with ``lean`` None: attach a DirectDecoder if it reproduces
     # transformers' forward bit for bit on a probe (else keep transformers'). False: leave ``lean``.
     auto_direct: bool = field(default=True, kw_only=True)
-    # How the weights are held and multiplied (``cascade.models.backend``): set by the loader that
+    # How the weights are held and multiplied (``cascade.models.backends.backend``): set by the loader that
     # applied it (``load_model``, ``quantized_copy``); None for a model built by hand.
     backend: Backend | None = field(default=None, kw_only=True)
 

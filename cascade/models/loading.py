@@ -12,14 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cascade.models import zoo
-from cascade.models.backend import QUANTIZED, Backend, backend_named, from_legacy
-from cascade.models.cpu_kernels import use_fp16_weight_linears, use_onednn_linears
+from cascade.models.backends.backend import QUANTIZED, Backend, backend_named, from_legacy
+from cascade.models.backends.cpu_kernels import use_fp16_weight_linears, use_onednn_linears
 from cascade.models.devices import resolve_device
-from cascade.models.gguf_weights import use_gguf_weights
-from cascade.models.lean import attach_lean
+from cascade.models.backends.gguf_weights import use_gguf_weights
+from cascade.models.backends.lean import attach_lean
 from cascade.models.lm import CausalLM
-from cascade.models.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
-from cascade.models.quantize import bitsandbytes_config, dense_linears, quantize_int8_dynamic, quantize_native
+from cascade.models.backends.native import NativeFP16Linear, native_kernels, swap_linears, unavailable_reason
+from cascade.models.backends.quantize import bitsandbytes_config, dense_linears, quantize_int8_dynamic, quantize_native
 from cascade.models.tiny import tiny_bpe_tokenizer, tiny_llama
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,9 @@ def load_model(
     a 256-token byte-level vocabulary and 4 layers, for debug runs), or ``tiny-bpe:SEED`` (the same
     with a 320-token byte-level BPE tokenizer of its own: a drafter from "another family").
 
-    ``backend``: how the weights are held and multiplied, one of ``cascade.models.backend.BACKENDS``
+    ``backend``: how the weights are held and multiplied, one of ``cascade.models.backends.backend.BACKENDS``
     (native, fp16w, onednn, float32 / float64 / bfloat16 / float16, the quantized
-    formats for drafters), a torch dtype, or "auto" (:func:`cascade.models.backend.auto_backend`;
+    formats for drafters), a torch dtype, or "auto" (:func:`cascade.models.backends.backend.auto_backend`;
     "auto_quantized": the quantized format this CPU runs fastest). The loaded model's
     ``backend`` says which ran. ``dtype`` / ``onednn`` / ``quantize``: the retired way of saying
     the same (a ``DeprecationWarning``).

@@ -19,23 +19,22 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
 
-from cascade.models.checkpoints import load_checkpoint, save_checkpoint
+from cascade.models.heads.checkpoints import load_checkpoint, save_checkpoint
+from cascade.models.heads.one_layer import OneLayerHead
 from cascade.models.layers import decoder_parts, dense_state, trainable_attention
 from cascade.models.lm import CausalLM
 
 FORMAT = "cascade.exit_adapter/1"
 
 
-class ExitAdapter(nn.Module):
+class ExitAdapter(OneLayerHead):
     def __init__(self, attn: nn.Module, in_norm: nn.Module, out_norm: nn.Module, config, exit_layer: int, target_name: str) -> None:
         super().__init__()
         self.attn, self.in_norm, self.out_norm = attn, in_norm, out_norm
-        self.config = config  # a one-layer copy of the target's config (the target's is untouched)
+        self.config = config
         self.exit_layer = exit_layer
-        self.target_name = target_name
-        self.hidden_size = int(config.hidden_size)
+        self.facts = {"target": target_name, "hidden_size": int(config.hidden_size)}
 
     @classmethod
     def from_target(cls, lm: CausalLM, exit_layer: int) -> "ExitAdapter":
@@ -55,27 +54,14 @@ class ExitAdapter(nn.Module):
         out_norm = copy.deepcopy(parts.norm).float()
         return cls(attn.float(), in_norm, out_norm, config, exit_layer, lm.name)
 
-    # ---- cache ------------------------------------------------------------------------------
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
-
-    # the adapter's cache is a DynamicCache like a model's: the same length and crop helpers
-    cache_len = staticmethod(CausalLM.cache_len)
-    crop = staticmethod(CausalLM.crop)
-
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, lm: CausalLM, hidden: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: [n, H] exit hidden states at ``positions`` [n] -> adapted, normed [n, H].
         With a cache, the n positions are appended to it (they must follow its content).
         ``attention_mask``: [1, 1, n, cache_len + n] 0 / -inf (a tree level); default causal."""
-        parts = decoder_parts(lm)
         x = hidden.unsqueeze(0).to(self.out_norm.weight.dtype)  # [1, n, H]
-        pos = positions.reshape(1, -1).to(x.device)  # [1, n]
-        pe = parts.rotary(x, position_ids=pos)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(x.device, x.dtype)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache, position_ids=pos)
+        _, pe, mask = self.layer_inputs(lm, x, positions, cache, attention_mask)
         a, _ = self.attn(self.in_norm(x), position_embeddings=pe, attention_mask=mask, cache=cache, use_cache=cache is not None)
         return self.out_norm(x + a)[0]  # [n, H]
 
@@ -91,18 +77,22 @@ class ExitAdapter(nn.Module):
         out = self.forward(lm, hidden, positions, cache, attention_mask)
         return decoder_parts(lm).head(out.to(lm.dtype))
 
-    def check_target(self, lm: CausalLM, exit_layer: int) -> None:
-        """Refuse another exit layer or target shape; move to the target's device and dtype."""
-        if exit_layer != self.exit_layer:
-            raise ValueError(f"adapter was trained on exit layer {self.exit_layer}, the drafter uses {exit_layer}")
+    def check_target(self, lm: CausalLM) -> None:
         if int(lm.model.config.hidden_size) != self.hidden_size:
             raise ValueError(f"adapter hidden size {self.hidden_size} != target {lm.name!r} hidden size {lm.model.config.hidden_size}")
-        self.to(lm.device, lm.dtype).eval()
+
+    def for_exit(self, lm: CausalLM, exit_layer: int) -> "ExitAdapter":
+        """Refuse another exit layer or target shape; move to the target's device and dtype (its
+        own fp32-trained weights: not rounded onto the target's fp16-weight kernels)."""
+        if exit_layer != self.exit_layer:
+            raise ValueError(f"adapter was trained on exit layer {self.exit_layer}, the drafter uses {exit_layer}")
+        self.check_target(lm)
+        return self.to(lm.device, lm.dtype).eval()
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, path: str | Path, metrics: dict | None = None) -> Path:
         payload = {
-            "format": FORMAT, "exit_layer": self.exit_layer, "target": self.target_name,
+            "format": FORMAT, "exit_layer": self.exit_layer, "target": self.facts["target"],
             "hidden_size": self.hidden_size,
             "state_dict": {k: v.detach().float().cpu() for k, v in self.state_dict().items()},
             "metrics": metrics or {},

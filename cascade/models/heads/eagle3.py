@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask
 
-from cascade.models.draft_head import (DraftHead, HeadCheckpointError, OneLayerHead, eagle_files, head_vocab_ids,
-                                       is_eagle3, read_state, target_facts)
+from cascade.models.heads.eagle import (DraftHead, HeadCheckpointError, eagle_files, head_vocab_ids, is_eagle3, read_state,
+                                       target_facts)
+from cascade.models.heads.one_layer import OneLayerHead
 from cascade.models.layers import decoder_parts, dense_state, dense_weight, trainable_attention
 from cascade.models.lm import CausalLM
 
@@ -187,12 +187,7 @@ class Eagle3Head(OneLayerHead):
             raise ValueError(f"features of width {s.shape[-1]}: this head takes {self.feature_size} (the target's "
                              f"layers {self.layers}) or {self.hidden_size} (its own states)")
         s = s.unsqueeze(0)  # [1, n, H]
-        pos = positions.reshape(1, -1).to(s.device)  # [1, n]
-        pe = parts.rotary(s, position_ids=pos)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(s.device, s.dtype)
-        mask = create_causal_mask(config=self.config, inputs_embeds=s, attention_mask=attention_mask, cache=cache,
-                                  position_ids=pos)
+        pos, pe, mask = self.layer_inputs(lm, s, positions, cache, attention_mask)
         layer = self.layer
         attn_in = torch.cat([layer.input_layernorm(emb.unsqueeze(0)), self.hidden_norm(s)], -1)  # [1, n, 2H]
         attn, _ = layer.self_attn(hidden_states=attn_in, attention_mask=mask, position_ids=pos, cache=cache,

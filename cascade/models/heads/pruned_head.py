@@ -28,11 +28,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from cascade.models.cpu_kernels import FP16WeightLinear, OneDNNLinear
-from cascade.models.lean import LeanDecoder
+from cascade.models.backends.cpu_kernels import FP16WeightLinear, OneDNNLinear
+from cascade.models.backends.lean import LeanDecoder
 from cascade.models.lm import CausalLM
-from cascade.models.native import NativeLinear
-from cascade.models.quantize import quantize_int8_dynamic
+from cascade.models.backends.native import NativeLinear
+from cascade.models.backends.quantize import quantize_int8_dynamic
 
 
 def rank_by_frequency(sequences: Iterable[Iterable[int]], vocab_size: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-// The lean forward's decoder layer as native calls (cascade/models/lean.py builds the operator records).
+// The lean forward's decoder layer as native calls (cascade/models/backends/lean.py builds the operator records).
 
 #include "kernels.h"
 #include "ops.h"
@@ -9,10 +9,10 @@ namespace cascade_native {
 // What a layer of the lean forward does, as native calls: the Python interpreter's work between
 // ~20 small operations per layer was ~0.15-0.2 ms of a drafter's layer (a third of the int4
 // 0.5B's token). The same operations, in the same order, on the same kernels as the per-op path
-// (cascade/models/lean.py), so the results are bitwise the same (tested against transformers'
+// (cascade/models/backends/lean.py), so the results are bitwise the same (tested against transformers'
 // forward).
 
-// the parts' side by side (their panels concatenated, cascade/models/native.py: side_by_side; every
+// the parts' side by side (their panels concatenated, cascade/models/backends/native.py: side_by_side; every
 // column computed as in its own layer, so bitwise the separate calls), or the separate ops,
 // whose outputs are concatenated. -> [n, sum of widths].
 torch::Tensor side_by_side(const std::vector<LinearOp>& ops, const torch::Tensor& x) {

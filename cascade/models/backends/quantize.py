@@ -8,7 +8,7 @@ Methods:
                     1.33 ms per token (fp32 7.7, bf16 4.2, torchao int8 weight-only bf16 9.7,
                     torchao int8 dynamic 15-18 ms; torchao 0.18 also prints load errors for its
                     CUDA extensions at import). Needs an fp32 model.
-    "int8_native"   CPU. cascade's own weight-only kernel (``cascade.models.native``): int8 weights
+    "int8_native"   CPU. cascade's own weight-only kernel (``cascade.models.backends.native``): int8 weights
                     with one scale per output channel, fp32 activations and arithmetic; reads a
                     quarter of fp32's bytes and keeps the activations unrounded.
     "int8_vnni"     CPU with AVX-512 VNNI. The same int8 weights times int8 activations quantized
@@ -44,8 +44,8 @@ import warnings
 
 import torch
 
-from cascade.models.lean import attach_lean
-from cascade.models.native import (NativeInt4Linear, NativeInt4VNNILinear, NativeInt8Linear, NativeInt8VNNILinear, native_kernels,
+from cascade.models.backends.lean import attach_lean
+from cascade.models.backends.native import (NativeInt4Linear, NativeInt4VNNILinear, NativeInt8Linear, NativeInt8VNNILinear, native_kernels,
                                    swap_linears, unavailable_reason)
 
 METHODS = ("auto", "int8_dynamic", "int8_native", "int8_vnni", "int4_native", "int4_vnni", "nf4")

@@ -9,7 +9,7 @@
 // calls MKL (measured in docs/backends.md). Here each weight tile is loaded and converted once
 // per call and multiplied into every row while it is in registers.
 //
-// Layout (packed in Python, cascade/models/native.py): the N output columns are cut into
+// Layout (packed in Python, cascade/models/backends/native.py): the N output columns are cut into
 // panels of NC = 32; a panel stores its K x 32 weights k-major, so a panel is one sequential
 // stream of memory ([P, K, 32] fp16 / int8; int4: [P, K, 16] bytes, byte j of a row holding
 // column j in its low nibble and column j + 16 in its high nibble, with [P, K / G, 32] scales).

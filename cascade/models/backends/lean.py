@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cascade.models import native
-from cascade.models.direct import FINAL_HIDDEN, forward_outputs
+from cascade.models.backends import native
+from cascade.models.backends.direct import FINAL_HIDDEN, forward_outputs
 from cascade.models.kv_cache import PreallocatedLayer
-from cascade.models.native import NativeLinear, use_native_attention
+from cascade.models.backends.native import NativeLinear, use_native_attention
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 // The native operations as the other files and the Python bindings see them, and the operator
-// records the lean forward's layers are built from (cascade/models/lean.py).
+// records the lean forward's layers are built from (cascade/models/backends/lean.py).
 #pragma once
 
 #include <torch/extension.h>
@@ -80,7 +80,7 @@ struct LinearOp {
 
 // Linear layers that read the same input as one call: either one op whose output columns are
 
-// One decoder layer's operators (built once per layer in Python: cascade/models/lean.py).
+// One decoder layer's operators (built once per layer in Python: cascade/models/backends/lean.py).
 struct LayerOps {
   NormOp in_norm;
   std::vector<LinearOp> qkv;  // q, k, v side by side (widths nq, nk, the rest)

@@ -1,4 +1,4 @@
-// The extension's Python module: cascade/models/native.py and cascade/models/lean.py call these.
+// The extension's Python module: cascade/models/backends/native.py and cascade/models/backends/lean.py call these.
 
 #include "kernels.h"
 #include "ops.h"

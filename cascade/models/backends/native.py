@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cascade.models.build_lock import DEFAULT_TIMEOUT_S, build_lock
-from cascade.models.exact_fp16 import InexactWeightError, fp16_inexact
+from cascade.models.backends.build_lock import DEFAULT_TIMEOUT_S, build_lock
+from cascade.models.backends.exact_fp16 import InexactWeightError, fp16_inexact
 
 log = logging.getLogger(__name__)
 

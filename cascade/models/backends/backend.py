@@ -7,20 +7,20 @@ and hands the value to the ``CausalLM``, where summaries read it (``lm.backend.n
 Names (``BACKENDS``):
 
 - ``native``: the checkpoint's weights held exactly in fp16, fp32 arithmetic on cascade's
-  row-invariant kernels (``cascade.models.native``), the lean forward (CPU).
+  row-invariant kernels (``cascade.models.backends.native``), the lean forward (CPU).
 - ``fp16w``: the same weights through FBGEMM's fp16-weight GEMM (CPU; not row-invariant).
 - ``onednn``: fp32 weights, oneDNN linears (CPU).
 - ``float32``, ``float64``, ``bfloat16``, ``float16``: transformers' modules in that dtype.
 - quantized weight formats, for drafters: ``int8_dynamic``, ``int8_native``, ``int8_vnni``,
-  ``int4_native``, ``int4_vnni`` (CPU, ``cascade.models.quantize``), ``nf4`` (CUDA, bitsandbytes).
+  ``int4_native``, ``int4_vnni`` (CPU, ``cascade.models.backends.quantize``), ``nf4`` (CUDA, bitsandbytes).
 - ``gguf``: the model's GGUF file's own blocks (k-quants and the legacy formats), each weight
   exactly as the ``gguf`` reference dequantizes it, fp32 arithmetic on cascade's row-invariant
-  kernels, the lean forward (CPU; ``cascade.models.gguf_weights``): a zoo model or a ``.gguf``
+  kernels, the lean forward (CPU; ``cascade.models.backends.gguf_weights``): a zoo model or a ``.gguf``
   path. ``gguf_q8``: the same with the Q4_K / Q6_K layers multiplying activations quantized to
   int8 per 256 (integer sums: llama.cpp's kind of arithmetic; row-invariant).
 - ``auto``: bf16 on CUDA; on CPUs ``native`` where the extension builds, else ``fp16w``, else
   bf16 (native bf16 CPUs) or ``onednn`` (:func:`auto_backend`); for a quantized load ("auto"
-  quantization) the format this CPU runs fastest (``cascade.models.quantize.resolve_method``).
+  quantization) the format this CPU runs fastest (``cascade.models.backends.quantize.resolve_method``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def backend_named(spec: "str | torch.dtype | Backend", device: torch.device) -> 
     else:
         key = _ALIASES.get(str(spec).removeprefix("torch."), str(spec).removeprefix("torch."))
         if key == "auto_quantized":
-            from cascade.models.quantize import resolve_method
+            from cascade.models.backends.quantize import resolve_method
 
             key = resolve_method("auto", device)
         if key not in BACKENDS:
@@ -103,8 +103,8 @@ def auto_backend(device: torch.device) -> Backend:
     97 ms per token vs 222 ms bf16 and 208 ms fp32+oneDNN; 8 tokens 186 ms vs 238 and 394);
     otherwise bf16 on CPUs with native bf16, else fp32 with oneDNN linears (on an AVX2-only CPU
     a 16-token forward costs 8.9x one token in bf16, 2.3x there)."""
-    from cascade.models.cpu_kernels import fbgemm_available
-    from cascade.models.native import native_kernels, unavailable_reason
+    from cascade.models.backends.cpu_kernels import fbgemm_available
+    from cascade.models.backends.native import native_kernels, unavailable_reason
 
     if device.type == "cuda":
         return BACKENDS["bfloat16"]
@@ -135,7 +135,7 @@ def from_legacy(dtype, onednn: bool | None, quantize: str | None) -> str | torch
     if not given:
         return None
     warnings.warn(f"load_model({', '.join(f'{k}=' for k in given)}...) is deprecated: pass backend= "
-                  "(cascade.models.backend.BACKENDS)", DeprecationWarning, stacklevel=3)
+                  "(cascade.models.backends.backend.BACKENDS)", DeprecationWarning, stacklevel=3)
     if quantize is not None:
         if onednn:
             raise ValueError("quantize and onednn are exclusive (both replace the linear layers)")

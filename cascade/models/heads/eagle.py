@@ -44,14 +44,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask
 
-from cascade.models.cpu_kernels import FP16WeightLinear, fbgemm_available, use_fp16_weight_linears
-from cascade.models.native import NativeFP16Linear, swap_linears
-from cascade.models.checkpoints import load_checkpoint, save_checkpoint
+from cascade.models.heads.checkpoints import load_checkpoint, save_checkpoint
+from cascade.models.heads.one_layer import OneLayerHead
 from cascade.models.layers import decoder_parts, dense_state, trainable_attention
 from cascade.models.lm import FINAL_HIDDEN, CausalLM
-from cascade.models.pruned_head import PrunedHead
+from cascade.models.heads.pruned_head import PrunedHead
 
 FORMAT = "cascade.draft_head/1"
 __all__ = ["EAGLE_LAYOUT", "FINAL_HIDDEN", "FORMAT", "DraftHead", "HeadCheckpointError", "HeadLayout"]
@@ -77,22 +75,6 @@ class HeadCheckpointError(ValueError):
     """A draft-head checkpoint that does not fit the target it is loaded for."""
 
 
-def on_target_kernels(head: nn.Module, lm: CausalLM) -> None:
-    """On a target whose LM head runs on fp16 weights (FBGEMM's or cascade's native kernel), run
-    ``head``'s linears on that kernel too, its weights rounded to fp16 first (the head is then that
-    rounded head, whose distributions are the q it reports); otherwise leave it as it is."""
-    target_head = decoder_parts(lm).head
-    fbgemm = isinstance(target_head, FP16WeightLinear) and fbgemm_available()
-    if fbgemm or isinstance(target_head, NativeFP16Linear):
-        with torch.no_grad():
-            for p in head.parameters():
-                p.copy_(p.half().float())
-        if fbgemm:
-            use_fp16_weight_linears(head)
-        else:
-            swap_linears(head, NativeFP16Linear)
-
-
 def head_vocab_ids(vocab, vocab_size: int) -> torch.Tensor:
     """``vocab`` as a flat int64 tensor of token ids; ValueError unless they are distinct ids in
     [0, ``vocab_size``) (and at least one)."""
@@ -106,36 +88,6 @@ def target_facts(lm: CausalLM) -> dict:
     parts = decoder_parts(lm)
     return {"target": lm.name, "hidden_size": int(parts.config.hidden_size), "num_layers": parts.num_layers,
             "vocab_size": lm.vocab_size}
-
-
-class OneLayerHead(nn.Module):
-    """What cascade's head and an EAGLE-3 head share: a one-layer config of their own (its KV
-    cache), the target they were built for (``facts``), and running on the target's device,
-    dtype and kernels at inference. Subclasses define ``check_target``."""
-
-    config: object
-    facts: dict
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.facts["hidden_size"])
-
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
-
-    cache_len = staticmethod(CausalLM.cache_len)
-    crop = staticmethod(CausalLM.crop)
-
-    def check_target(self, lm: CausalLM) -> None:
-        raise NotImplementedError
-
-    def for_inference(self, lm: CausalLM):
-        """Move to the target's device and dtype, in eval mode, on the target's fp16-weight kernel
-        where its LM head runs on one (``on_target_kernels``); refuses another target first."""
-        self.check_target(lm)
-        self.to(lm.device, lm.dtype).eval()
-        on_target_kernels(self, lm)
-        return self
 
 
 class DraftHead(OneLayerHead):
@@ -206,12 +158,7 @@ class DraftHead(OneLayerHead):
         emb = parts.embed(tokens.reshape(-1).to(lm.device)).to(dtype)  # [n, H]
         fused = torch.cat([self.feature_norm(features.to(emb.device, dtype)), self.embed_norm(emb)], -1)  # [n, 2H]
         x = self.fc(fused).unsqueeze(0)  # [1, n, H]
-        pos = positions.reshape(1, -1).to(x.device)  # [1, n]
-        pe = parts.rotary(x, position_ids=pos)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(x.device, x.dtype)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-                                  position_ids=pos)
+        pos, pe, mask = self.layer_inputs(lm, x, positions, cache, attention_mask)
         h = self.layer(x, attention_mask=mask, position_embeddings=pe, position_ids=pos, cache=cache,
                        use_cache=cache is not None)
         return self.norm(h)[0]  # [n, H]
@@ -270,7 +217,7 @@ class DraftHead(OneLayerHead):
     @classmethod
     def open(cls, path: str | Path, lm: CausalLM) -> "DraftHead":
         """A head from ``path``: a cascade checkpoint (``python -m cascade.train_head``) or an
-        EAGLE-1/2 release (a directory, or its weight file); ``cascade.models.eagle3.open_head``
+        EAGLE-1/2 release (a directory, or its weight file); ``cascade.models.heads.eagle3.open_head``
         also opens EAGLE-3 releases."""
         path = Path(path).expanduser()
         if path.is_dir() or path.suffix in (".bin", ".safetensors") or path.name.startswith("pytorch_model"):
@@ -294,7 +241,7 @@ class DraftHead(OneLayerHead):
         if is_eagle3(state):
             raise HeadCheckpointError(
                 f"{weights} is an EAGLE-3 head (midlayer.*, a draft vocabulary): load it with "
-                "cascade.models.eagle3.Eagle3Head.from_release or open_head (DraftHeadDrafter takes either format)")
+                "cascade.models.heads.eagle3.Eagle3Head.from_release or open_head (DraftHeadDrafter takes either format)")
         parts = decoder_parts(lm)
         hidden, vocab_size = int(parts.config.hidden_size), lm.vocab_size
         wrong = []

@@ -27,7 +27,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from torch import nn
 
-from cascade.models.native import NativeLinear, native_kernels, unavailable_reason
+from cascade.models.backends.native import NativeLinear, native_kernels, unavailable_reason
 
 log = logging.getLogger(__name__)
 

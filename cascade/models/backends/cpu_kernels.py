@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cascade.models.exact_fp16 import InexactWeightError, fp16_inexact
-from cascade.models.native import swap_linears
+from cascade.models.backends.exact_fp16 import InexactWeightError, fp16_inexact
+from cascade.models.backends.native import swap_linears
 
 
 class OneDNNLinear(nn.Module):
