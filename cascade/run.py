@@ -188,8 +188,20 @@ def _environment(target, models: list) -> Environment:
         git_dirty=code.dirty, git_diff_sha256=code.diff_sha256, cascade=version("cascade"), cpu_vendor=cpu.vendor,
         cpu_family=cpu.family, cpu_model=cpu.model, cpu_stepping=cpu.stepping, native_isa=isa,
         native_unavailable=unavailable_reason(), target_kernels=linear_kernels(target.model),
-        backends={lm.name: str(lm.backend) for lm in [target, *models]},
+        backends=backends_of([target, *models]),
     )
+
+
+def backends_of(models: list) -> dict[str, str]:
+    """Each loaded model's name -> its backend, the target first. A name loaded on several
+    backends (the target on native and again on fp16w for a baseline method) keeps them all, in
+    load order: "native, fp16w"."""
+    backends: dict[str, list[str]] = {}
+    for lm in models:
+        names = backends.setdefault(lm.name, [])
+        if str(lm.backend) not in names:
+            names.append(str(lm.backend))
+    return {name: ", ".join(b) for name, b in backends.items()}
 
 
 def _refuse_dirty_results(out_dir: Path, allow: bool) -> None:

@@ -81,6 +81,15 @@ def test_every_loaded_models_backend_is_recorded(tmp_path):
     assert run_mod.run(cfg).environment.backends == {"tiny:0": "float32", "tiny:1": "float32"}
 
 
+def test_a_model_loaded_on_two_backends_keeps_both():
+    """The target on native and again on fp16w (a baseline method): neither entry overwrites the other."""
+    from types import SimpleNamespace as M
+
+    loaded = [M(name="t", backend="native"), M(name="d[int4_vnni]", backend="int4_vnni"), M(name="t", backend="fp16w"),
+              M(name="t", backend="native")]
+    assert run_mod.backends_of(loaded) == {"t": "native, fp16w", "d[int4_vnni]": "int4_vnni"}
+
+
 def test_a_dirty_checkout_may_not_write_under_results(tmp_path, monkeypatch):
     """results/ holds what the docs cite: uncommitted code is refused there, before any model loads."""
     import cascade.provenance as prov
