@@ -179,7 +179,8 @@ def _environment(target, models: list) -> Environment:
     """Where the numbers come from: code, CPU, kernels, and every loaded model's backend."""
     code, cpu = code_state(), cpu_identity()
     kernels = native_kernels()
-    isa = {} if kernels is None else {"fp32_fp16w": kernels.isa(), "int8_dot": kernels.int8_dot_isa()}
+    isa = {} if kernels is None else {"fp32_fp16w": kernels.isa(), "int8_dot": kernels.int8_dot_isa(),
+                                      "gguf_q8": kernels.gguf_q8_isa()}
     return Environment(
         torch=version("torch"),
         transformers=version("transformers"),  # metadata: the lazy module may lack __version__ after unpickling

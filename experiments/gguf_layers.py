@@ -1,6 +1,9 @@
 """Time the GGUF kernels on a model file's own tensors: ``linear_gguf`` (exact) and, for Q4_K /
-Q6_K, ``linear_gguf_q8`` (int8 activations), at several row counts, the kernels interleaved in
-each repeat; prints the best and median time per call and the file bytes read per second.
+Q6_K, ``linear_gguf_q8`` (int8 activations) on this CPU's path and, on an AVX-512 VNNI CPU, its
+AVX2 path too (``q8_avx2``: what an AVX2-only CPU runs, the same bits) and the scalar path
+(``q8_scalar``: what ran without AVX-512 VNNI before the AVX2 path), at several row counts, the
+kernels interleaved in each repeat; prints the best and median time per call and the file bytes
+read per second.
 
     python experiments/gguf_layers.py --model qwen2.5-coder-1.5b --tensors blk.0.ffn_gate.weight,blk.0.ffn_down.weight,output.weight
 """
@@ -40,6 +43,10 @@ def main() -> None:
         kernels = {"exact": ext.linear_gguf}
         if ext.gguf_q8_supported(int(t.tensor_type)):
             kernels["q8"] = ext.linear_gguf_q8
+            if ext.gguf_q8_isa() == "avx512_vnni":
+                kernels["q8_avx2"] = lambda *a: ext.linear_gguf_q8(*a, path="avx2")
+            if ext.gguf_q8_isa() != "scalar":
+                kernels["q8_scalar"] = lambda *a: ext.linear_gguf_q8(*a, path="scalar")
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k)
             times = {kind: [] for kind in kernels}

@@ -239,9 +239,16 @@ def _q8_reference(x: np.ndarray, blocks: np.ndarray, qtype, bias: np.ndarray | N
     return y
 
 
+def _q8_path_runs_here(path: str) -> bool:
+    return {"avx512_vnni": _ext().has_vnni(), "avx2": _ext().isa() != "none", "scalar": True}[path]
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("reference", [False, True], ids=["vector", "scalar"])
-def test_int8_activation_kernel_is_bitwise_its_integer_reference(qtype, reference):
+@pytest.mark.parametrize("path", ["avx512_vnni", "avx2", "scalar"])
+def test_int8_activation_kernel_is_bitwise_its_integer_reference(qtype, path):
+    """Every path this CPU runs (AVX-512 VNNI, AVX2 maddubs, scalar) gives the integer reference's bits."""
+    if not _q8_path_runs_here(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
     rng = np.random.default_rng(7 + int(qtype))
     k, n = 3 * 256, 37
     blocks = random_blocks(qtype, n, k, rng)
@@ -249,10 +256,11 @@ def test_int8_activation_kernel_is_bitwise_its_integer_reference(qtype, referenc
     x[5, :256] = 0.0  # an all-zero block
     bias = rng.normal(0, 1, size=n).astype(np.float32)
     y = _ext().linear_gguf_q8(torch.from_numpy(x), torch.from_numpy(blocks), int(qtype), n, torch.from_numpy(bias),
-                              reference=reference).numpy()
+                              path=path).numpy()
     assert np.array_equal(_bits(y), _bits(_q8_reference(x, blocks, qtype, bias)))
     for m in range(1, 33):  # row invariance
-        part = _ext().linear_gguf_q8(torch.from_numpy(x[:m]), torch.from_numpy(blocks), int(qtype), n, torch.from_numpy(bias))
+        part = _ext().linear_gguf_q8(torch.from_numpy(x[:m]), torch.from_numpy(blocks), int(qtype), n, torch.from_numpy(bias),
+                                     path=path)
         assert torch.equal(part, torch.from_numpy(y[:m])), m
     exact = x.astype(np.float64) @ gguf.quants.dequantize(blocks, qtype).astype(np.float64).T + bias
     assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations: close to, not equal to, the exact sums
@@ -261,6 +269,9 @@ def test_int8_activation_kernel_is_bitwise_its_integer_reference(qtype, referenc
 def test_int8_activations_only_for_k_quants():
     with pytest.raises(RuntimeError, match="no int8-activation kernel"):
         _ext().linear_gguf_q8(torch.zeros(1, 32), torch.zeros(4, 34, dtype=torch.uint8), int(T.Q8_0), 4)
+    with pytest.raises(RuntimeError, match="unknown path 'avx3'"):
+        _ext().linear_gguf_q8(torch.zeros(1, 256), torch.zeros(4, 144, dtype=torch.uint8), int(T.Q4_K), 4, path="avx3")
+    assert _ext().gguf_q8_isa() in {"avx512_vnni", "avx2", "scalar"}
 
 
 def test_a_run_with_llamacpp_methods_fails_before_loading_when_the_server_is_missing(monkeypatch, tmp_path, no_model_loading):

@@ -68,8 +68,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the scalar decode)", py::arg("blocks"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none(),
         py::arg("reference") = false);
   m.def("linear_gguf_q8", &linear_gguf_q8, "y = x @ W^T (+ bias) for Q4_K / Q6_K blocks with x quantized per 256 to int8: "
-        "integer sums, a fixed fp32 epilogue per block (reference=True: the scalar path)", py::arg("x"), py::arg("blocks"),
-        py::arg("qtype"), py::arg("n"), py::arg("bias") = py::none(), py::arg("reference") = false);
+        "integer sums, a fixed fp32 epilogue per block; path: auto (this CPU's fastest), avx512_vnni, avx2 or scalar, "
+        "the same bits", py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("n"), py::arg("bias") = py::none(),
+        py::arg("path") = "auto");
+  m.def("gguf_q8_isa", &gguf_q8_isa, "the path linear_gguf_q8 takes here: avx512_vnni, avx2 or scalar");
   m.def("gguf_q8_supported", &gguf_q8_supported, "whether a ggml block type has the int8-activation kernel", py::arg("qtype"));
   m.def("gguf_block_weights", &gguf_block_weights, "weights per block of a ggml type", py::arg("qtype"));
   m.def("gguf_block_bytes", &gguf_block_bytes, "bytes per block of a ggml type", py::arg("qtype"));

@@ -14,9 +14,11 @@
 // call is bitwise the 1-row call.
 //
 // AVX-512 VNNI: codes unpacked 64 per vector, vpmaddubsw against the activations (pairs of
-// products in 16 bits) and vpdpwssd against the sub-block scales (accumulated in 32 bits);
-// elsewhere the same integers in scalar code. Other block types have no int8 path (the backend
-// keeps them on the exact kernel, gguf.cpp).
+// products in 16 bits) and vpdpwssd against the sub-block scales (accumulated in 32 bits). AVX2:
+// 32 codes per vector (one Q4_K sub-block, two Q6_K ones), vpmaddubsw, then vpmaddwd against the
+// scales and a 32-bit add: the same integers (no pair sum or product can overflow: codes <= 63,
+// |xq| <= 127, scales <= 127). Elsewhere the same integers in scalar code. Other block types have
+// no int8 path (the backend keeps them on the exact kernel, gguf.cpp).
 
 #include "gguf_blocks.h"
 #include "kernels.h"
@@ -204,6 +206,105 @@ Q8_TARGET inline float q6k_block(const Q6KCodes& c, const int8_t* xq, float dx, 
   return dd * static_cast<float>(dot - 32 * sc_bs);
 }
 
+// ---- AVX2 ----------------------------------------------------------------------------------------
+
+#define Q8_AVX2 __attribute__((target("avx2,fma")))
+
+// A block's eight 32-code vectors (vector i pairs with xq + 32 i) and their scales as 16-bit lanes.
+struct Codes32 {
+  __m256i codes[8], scales[8];
+};
+
+Q8_AVX2 inline Codes32 q4k_codes32(const uint8_t* b, const ScalesMins& u) {
+  Codes32 c;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {  // chunk i: low nibbles sub-block 2i, high 2i + 1, pieces lo and hi of xq
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * i));
+    const int lo = 4 * (i / 2) + i % 2, hi = lo + 2;  // the inverse of Q4K_PIECE
+    c.codes[lo] = _mm256_and_si256(v, low4);
+    c.codes[hi] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  }
+  for (int i = 0; i < 8; ++i) c.scales[i] = _mm256_set1_epi16(static_cast<int16_t>(u.byte(Q4K_PIECE[i])));
+  return c;
+}
+
+// Q6_K's two high bits of 32 codes (bits shift .. shift + 1 of each qh byte), moved to bits 4-5.
+Q8_AVX2 inline __m256i q6k_high_bits(__m256i qh, int shift) {
+  return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(0x03)), 4);
+}
+
+Q8_AVX2 inline Codes32 q6k_codes32(const uint8_t* b) {
+  Codes32 c;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {  // weights 128 h .. 128 h + 127: vectors 4 h .. 4 h + 3
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    c.codes[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, low4), q6k_high_bits(qh, 0));
+    c.codes[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, low4), q6k_high_bits(qh, 2));
+    c.codes[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4), q6k_high_bits(qh, 4));
+    c.codes[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4), q6k_high_bits(qh, 6));
+  }
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  for (int i = 0; i < 8; ++i)
+    c.scales[i] = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * i]), _mm_set1_epi16(sc[2 * i + 1]));
+  return c;
+}
+
+Q8_AVX2 inline int32_t codes_dot32(const Codes32& c, const int8_t* xq) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int i = 0; i < 8; ++i) {
+    const __m256i pairs = _mm256_maddubs_epi16(c.codes[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, c.scales[i]));
+  }
+  __m128i v = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+
+// One block's value for one input row, from its decoded codes: the epilogue of the scalar path.
+Q8_AVX2 inline float q4k_block32(const Codes32& c, const ScalesMins& u, float d, float dmin, const int8_t* xq, float dx,
+                                 const int16_t* bs16) {
+  const int32_t I = codes_dot32(c, xq);
+  int32_t Mn = 0;
+  for (int j = 0; j < 8; ++j) Mn += u.byte(8 + j) * (bs16[2 * j] + bs16[2 * j + 1]);
+  const float dd = d * dx, dm = dmin * dx;
+  const float t1 = dd * static_cast<float>(I), t2 = dm * static_cast<float>(Mn);
+  return t1 - t2;
+}
+
+Q8_AVX2 inline float q6k_block32(const Codes32& c, const int8_t* sc, float d, const int8_t* xq, float dx, const int16_t* bs16) {
+  const int32_t dot = codes_dot32(c, xq);
+  int32_t sc_bs = 0;
+  for (int j = 0; j < 16; ++j) sc_bs += sc[j] * bs16[j];
+  const float dd = d * dx;
+  return dd * static_cast<float>(dot - 32 * sc_bs);
+}
+
+// As q8_rows: NR output rows x MR input rows, each (n, m) a scalar sum over blocks in order.
+template <int NR, int MR, bool Q4K>
+Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
+                          float* y, int64_t ldy) {
+  const int64_t K = xr.K, nb = K / QK;
+  float acc[NR][MR] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* blk = w + r * row_bytes + b * (Q4K ? 144 : 210);
+      for (int line = 0; line < (Q4K ? 144 : 210); line += 64) prefetch_ahead(blk + line);
+      const ScalesMins u = Q4K ? q4k_scales_mins(blk + 4) : ScalesMins{};
+      const Codes32 c = Q4K ? q4k_codes32(blk, u) : q6k_codes32(blk);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = xr.q.data() + (m0 + m) * K + b * QK;
+        const float dx = xr.d[(m0 + m) * nb + b];
+        const int16_t* bs = xr.bs16.data() + (m0 + m) * (K / 16) + b * 16;
+        acc[r][m] += Q4K ? q4k_block32(c, u, f16_at(blk), f16_at(blk + 2), xq, dx, bs)
+                         : q6k_block32(c, reinterpret_cast<const int8_t*>(blk + 192), f16_at(blk + 208), xq, dx, bs);
+      }
+    }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? acc[r][m] + bias[r] : acc[r][m];
+}
+
 // NR output rows x MR input rows; each (n, m) a scalar sum over blocks in order.
 template <int NR, int MR, bool Q4K>
 Q8_TARGET void q8_rows(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* y,
@@ -228,10 +329,37 @@ Q8_TARGET void q8_rows(const QuantizedRows& xr, int64_t m0, const uint8_t* w, in
     for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? acc[r][m] + bias[r] : acc[r][m];
 }
 
+enum class Q8Path { avx512_vnni, avx2, scalar };
+
+Q8Path auto_path() { return has_vnni() ? Q8Path::avx512_vnni : isa() != Isa::none ? Q8Path::avx2 : Q8Path::scalar; }
+
+Q8Path path_named(const std::string& name) {
+  if (name == "auto") return auto_path();
+  const Q8Path path = name == "avx512_vnni" ? Q8Path::avx512_vnni : name == "avx2" ? Q8Path::avx2 : Q8Path::scalar;
+  TORCH_CHECK(name == "avx512_vnni" || name == "avx2" || name == "scalar", "linear_gguf_q8: unknown path '", name,
+              "' (auto, avx512_vnni, avx2, scalar)");
+  TORCH_CHECK(path != Q8Path::avx512_vnni || has_vnni(), "linear_gguf_q8: this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(path != Q8Path::avx2 || isa() != Isa::none, "linear_gguf_q8: this CPU has no AVX2");
+  return path;
+}
+
+// Output rows n0 .. n1 - 1 in blocks of NR (4 for one input row, else 2) x up to 4 input rows.
+template <typename RowsFn>
+void q8_blocks(int64_t M, int64_t n0, int64_t n1, RowsFn&& rows_fn) {
+  run_rows(M, 4, [&](int64_t r0, int rows) {
+    with_rows<4>(rows, [&](auto mr) {
+      constexpr int MR = decltype(mr)::value, NR = MR == 1 ? 4 : 2;
+      int64_t n = n0;
+      for (; n + NR <= n1; n += NR) rows_fn(std::integral_constant<int, NR>{}, mr, r0, n);
+      for (; n < n1; ++n) rows_fn(std::integral_constant<int, 1>{}, mr, r0, n);
+    });
+  });
+}
+
 void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_bytes, bool q4k, const float* bias, float* y,
-              int64_t N, int64_t n0, int64_t n1, bool reference) {
+              int64_t N, int64_t n0, int64_t n1, Q8Path path) {
   const int64_t K = xr.K, nb = K / QK;
-  if (reference || !has_vnni()) {
+  if (path == Q8Path::scalar) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.0f;
@@ -245,18 +373,18 @@ void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_
       }
     return;
   }
-  run_rows(M, 4, [&](int64_t r0, int rows) {
-    with_rows<4>(rows, [&](auto mr) {
-      constexpr int MR = decltype(mr)::value, NR = MR == 1 ? 4 : 2;
-      auto run = [&](auto nr, int64_t n) {
-        constexpr int R = decltype(nr)::value;
-        if (q4k) q8_rows<R, MR, true>(xr, r0, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, y + r0 * N + n, N);
-        else q8_rows<R, MR, false>(xr, r0, w + n * row_bytes, row_bytes, bias ? bias + n : nullptr, y + r0 * N + n, N);
-      };
-      int64_t n = n0;
-      for (; n + NR <= n1; n += NR) run(std::integral_constant<int, NR>{}, n);
-      for (; n < n1; ++n) run(std::integral_constant<int, 1>{}, n);
-    });
+  q8_blocks(M, n0, n1, [&](auto nr, auto mr, int64_t r0, int64_t n) {
+    constexpr int R = decltype(nr)::value, MR = decltype(mr)::value;
+    const uint8_t* wn = w + n * row_bytes;
+    const float* bn = bias ? bias + n : nullptr;
+    float* yn = y + r0 * N + n;
+    if (path == Q8Path::avx512_vnni) {
+      if (q4k) q8_rows<R, MR, true>(xr, r0, wn, row_bytes, bn, yn, N);
+      else q8_rows<R, MR, false>(xr, r0, wn, row_bytes, bn, yn, N);
+    } else {
+      if (q4k) q8_rows_avx2<R, MR, true>(xr, r0, wn, row_bytes, bn, yn, N);
+      else q8_rows_avx2<R, MR, false>(xr, r0, wn, row_bytes, bn, yn, N);
+    }
   });
 }
 
@@ -264,8 +392,13 @@ void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_
 
 bool gguf_q8_supported(int64_t qtype) { return qtype == 12 || qtype == 14; }
 
+std::string gguf_q8_isa() {
+  const Q8Path path = auto_path();
+  return path == Q8Path::avx512_vnni ? "avx512_vnni" : path == Q8Path::avx2 ? "avx2" : "scalar";
+}
+
 torch::Tensor linear_gguf_q8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
-                             const c10::optional<torch::Tensor>& bias, bool reference) {
+                             const c10::optional<torch::Tensor>& bias, const std::string& path) {
   TORCH_CHECK(gguf_q8_supported(qtype), "linear_gguf_q8: GGUF block type ", qtype,
               " has no int8-activation kernel (Q4_K = 12, Q6_K = 14; the others run linear_gguf)");
   expect(x, "linear_gguf_q8", "x", torch::kFloat32, Layout::unit_inner);
@@ -278,12 +411,13 @@ torch::Tensor linear_gguf_q8(const torch::Tensor& x, const torch::Tensor& blocks
   TORCH_CHECK(K % QK == 0, "linear_gguf_q8: K = ", K, " is not a whole number of 256-weight blocks");
   TORCH_CHECK(blocks.size(1) == K / QK * (q4k ? 144 : 210), "linear_gguf_q8: a row of K = ", K, " weights is ",
               K / QK * (q4k ? 144 : 210), " bytes, blocks has ", blocks.size(1));
+  const Q8Path which = path_named(path);
   auto y = torch::empty({M, N}, x.options());
   const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q4k);
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q8_range(xr, M, wp, blocks.size(1), q4k, bp, yp, N, n0, n1, reference); });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q8_range(xr, M, wp, blocks.size(1), q4k, bp, yp, N, n0, n1, which); });
   return y;
 }
 

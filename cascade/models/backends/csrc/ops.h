@@ -30,8 +30,9 @@ torch::Tensor dequantize_gguf(const torch::Tensor& blocks, int64_t qtype, int64_
 int64_t gguf_block_weights(int64_t qtype);
 // gguf_q8.cpp: Q4_K / Q6_K blocks times activations quantized per 256 to int8, integer sums
 torch::Tensor linear_gguf_q8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
-                             const c10::optional<torch::Tensor>& bias, bool reference);
+                             const c10::optional<torch::Tensor>& bias, const std::string& path);
 bool gguf_q8_supported(int64_t qtype);
+std::string gguf_q8_isa();
 int64_t gguf_block_bytes(int64_t qtype);
 // attention.cpp
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -72,7 +73,7 @@ struct LinearOp {
       case int4: return linear_int4(x, packed, scale, group, N, bias);
       case int4_vnni: return linear_int4_vnni(x, packed, scale, group, N, bias);
       case gguf: return linear_gguf(x, packed, group, N, bias);
-      case gguf_q8: return linear_gguf_q8(x, packed, group, N, bias, false);
+      case gguf_q8: return linear_gguf_q8(x, packed, group, N, bias, "auto");
     }
     TORCH_CHECK(false, "unknown LinearOp kind ", static_cast<int>(kind));
   }
