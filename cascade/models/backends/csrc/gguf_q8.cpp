@@ -251,23 +251,29 @@ Q8_AVX2 inline Codes32 q6k_codes32(const uint8_t* b) {
   return c;
 }
 
+Q8_AVX2 inline int32_t sum8(__m256i v8x32) {  // the sum of eight 32-bit lanes
+  __m128i v = _mm_add_epi32(_mm256_castsi256_si128(v8x32), _mm256_extracti128_si256(v8x32, 1));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+
 Q8_AVX2 inline int32_t codes_dot32(const Codes32& c, const int8_t* xq) {
   __m256i acc = _mm256_setzero_si256();
   for (int i = 0; i < 8; ++i) {
     const __m256i pairs = _mm256_maddubs_epi16(c.codes[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, c.scales[i]));
   }
-  __m128i v = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+  return sum8(acc);
 }
 
 // One block's value for one input row, from its decoded codes: the epilogue of the scalar path.
 Q8_AVX2 inline float q4k_block32(const Codes32& c, const ScalesMins& u, float d, float dmin, const int8_t* xq, float dx,
                                  const int16_t* bs16) {
   const int32_t I = codes_dot32(c, xq);
-  int32_t Mn = 0;
-  for (int j = 0; j < 8; ++j) Mn += u.byte(8 + j) * (bs16[2 * j] + bs16[2 * j + 1]);
+  // bs16 pairs -> the eight 32-weight sums, times m_j (bytes 8 .. 15 of u)
+  const __m256i sums32 = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)), _mm256_set1_epi16(1));
+  const __m256i mins32 = _mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(u.word[2]), static_cast<int>(u.word[3]), 0, 0));
+  const int32_t Mn = sum8(_mm256_mullo_epi32(sums32, mins32));
   const float dd = d * dx, dm = dmin * dx;
   const float t1 = dd * static_cast<float>(I), t2 = dm * static_cast<float>(Mn);
   return t1 - t2;
@@ -275,8 +281,8 @@ Q8_AVX2 inline float q4k_block32(const Codes32& c, const ScalesMins& u, float d,
 
 Q8_AVX2 inline float q6k_block32(const Codes32& c, const int8_t* sc, float d, const int8_t* xq, float dx, const int16_t* bs16) {
   const int32_t dot = codes_dot32(c, xq);
-  int32_t sc_bs = 0;
-  for (int j = 0; j < 16; ++j) sc_bs += sc[j] * bs16[j];
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  const int32_t sc_bs = sum8(_mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16))));
   const float dd = d * dx;
   return dd * static_cast<float>(dot - 32 * sc_bs);
 }
