@@ -37,7 +37,25 @@ struct QuantizedRows {
   std::vector<float> d;
   std::vector<int16_t> bs16;
   int64_t K;
+
+  // row m's block b: its 256 int8 values, its scale dx and its 16 sums of 16
+  const int8_t* q_at(int64_t m, int64_t b) const { return q.data() + m * K + b * QK; }
+  float d_at(int64_t m, int64_t b) const { return d[m * (K / QK) + b]; }
+  const int16_t* bs_at(int64_t m, int64_t b) const { return bs16.data() + m * (K / 16) + b * 16; }
 };
+
+// Output row r's block b (prefetched ahead), and the NR x MR sums stored (+ bias) as rows of y.
+inline const uint8_t* block_at(const uint8_t* w, int r, int64_t row_bytes, int64_t b, int block_bytes) {
+  const uint8_t* blk = w + r * row_bytes + b * block_bytes;
+  for (int line = 0; line < block_bytes; line += 64) prefetch_ahead(blk + line);
+  return blk;
+}
+
+template <int NR, int MR>
+void store_rows(const float (&acc)[NR][MR], const float* bias, float* y, int64_t ldy) {
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? acc[r][m] + bias[r] : acc[r][m];
+}
 
 // Q4_K's code vectors (64 bytes each) hold the sub-blocks (0, 2), (1, 3), (4, 6), (5, 7): the low
 // and high nibbles of two 32-byte chunks.
@@ -291,48 +309,37 @@ Q8_AVX2 inline float q6k_block32(const Codes32& c, const int8_t* sc, float d, co
 template <int NR, int MR, bool Q4K>
 Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
                           float* y, int64_t ldy) {
-  const int64_t K = xr.K, nb = K / QK;
   float acc[NR][MR] = {};
-  for (int64_t b = 0; b < nb; ++b)
+  for (int64_t b = 0; b < xr.K / QK; ++b)
     for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * (Q4K ? 144 : 210);
-      for (int line = 0; line < (Q4K ? 144 : 210); line += 64) prefetch_ahead(blk + line);
+      const uint8_t* blk = block_at(w, r, row_bytes, b, Q4K ? 144 : 210);
       const ScalesMins u = Q4K ? q4k_scales_mins(blk + 4) : ScalesMins{};
       const Codes32 c = Q4K ? q4k_codes32(blk, u) : q6k_codes32(blk);
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* xq = xr.q.data() + (m0 + m) * K + b * QK;
-        const float dx = xr.d[(m0 + m) * nb + b];
-        const int16_t* bs = xr.bs16.data() + (m0 + m) * (K / 16) + b * 16;
-        acc[r][m] += Q4K ? q4k_block32(c, u, f16_at(blk), f16_at(blk + 2), xq, dx, bs)
-                         : q6k_block32(c, reinterpret_cast<const int8_t*>(blk + 192), f16_at(blk + 208), xq, dx, bs);
-      }
+      for (int m = 0; m < MR; ++m)
+        acc[r][m] += Q4K ? q4k_block32(c, u, f16_at(blk), f16_at(blk + 2), xr.q_at(m0 + m, b), xr.d_at(m0 + m, b), xr.bs_at(m0 + m, b))
+                         : q6k_block32(c, reinterpret_cast<const int8_t*>(blk + 192), f16_at(blk + 208), xr.q_at(m0 + m, b),
+                                       xr.d_at(m0 + m, b), xr.bs_at(m0 + m, b));
     }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? acc[r][m] + bias[r] : acc[r][m];
+  store_rows(acc, bias, y, ldy);
 }
 
 // NR output rows x MR input rows; each (n, m) a scalar sum over blocks in order.
 template <int NR, int MR, bool Q4K>
 Q8_TARGET void q8_rows(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* y,
                        int64_t ldy) {
-  const int64_t K = xr.K, nb = K / QK;
   float acc[NR][MR] = {};
-  for (int64_t b = 0; b < nb; ++b)
+  for (int64_t b = 0; b < xr.K / QK; ++b)
     for (int r = 0; r < NR; ++r) {
-      const uint8_t* blk = w + r * row_bytes + b * (Q4K ? 144 : 210);
-      for (int line = 0; line < (Q4K ? 144 : 210); line += 64) prefetch_ahead(blk + line);
+      const uint8_t* blk = block_at(w, r, row_bytes, b, Q4K ? 144 : 210);
       if constexpr (Q4K) {
         const Q4KCodes c = q4k_codes(blk);
-        for (int m = 0; m < MR; ++m)
-          acc[r][m] += q4k_block(c, xr.q.data() + (m0 + m) * K + b * QK, xr.d[(m0 + m) * nb + b], xr.bs16.data() + (m0 + m) * (K / 16) + b * 16);
+        for (int m = 0; m < MR; ++m) acc[r][m] += q4k_block(c, xr.q_at(m0 + m, b), xr.d_at(m0 + m, b), xr.bs_at(m0 + m, b));
       } else {
         const Q6KCodes c = q6k_codes(blk);
-        for (int m = 0; m < MR; ++m)
-          acc[r][m] += q6k_block(c, xr.q.data() + (m0 + m) * K + b * QK, xr.d[(m0 + m) * nb + b], xr.bs16.data() + (m0 + m) * (K / 16) + b * 16);
+        for (int m = 0; m < MR; ++m) acc[r][m] += q6k_block(c, xr.q_at(m0 + m, b), xr.d_at(m0 + m, b), xr.bs_at(m0 + m, b));
       }
     }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? acc[r][m] + bias[r] : acc[r][m];
+  store_rows(acc, bias, y, ldy);
 }
 
 enum class Q8Path { avx512_vnni, avx2, scalar };
@@ -364,16 +371,14 @@ void q8_blocks(int64_t M, int64_t n0, int64_t n1, RowsFn&& rows_fn) {
 
 void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_bytes, bool q4k, const float* bias, float* y,
               int64_t N, int64_t n0, int64_t n1, Q8Path path) {
-  const int64_t K = xr.K, nb = K / QK;
   if (path == Q8Path::scalar) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         float acc = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t b = 0; b < xr.K / QK; ++b) {
           const uint8_t* blk = w + n * row_bytes + b * (q4k ? 144 : 210);
-          const int8_t* xq = xr.q.data() + m * K + b * QK;
-          const int16_t* bs = xr.bs16.data() + m * (K / 16) + b * 16;
-          acc += q4k ? q4k_block_scalar(blk, xq, xr.d[m * nb + b], bs) : q6k_block_scalar(blk, xq, xr.d[m * nb + b], bs);
+          acc += q4k ? q4k_block_scalar(blk, xr.q_at(m, b), xr.d_at(m, b), xr.bs_at(m, b))
+                     : q6k_block_scalar(blk, xr.q_at(m, b), xr.d_at(m, b), xr.bs_at(m, b));
         }
         y[m * N + n] = bias ? acc + bias[n] : acc;
       }
