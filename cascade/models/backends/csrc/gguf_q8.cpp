@@ -31,17 +31,21 @@ namespace {
 constexpr int QK = 256;
 
 // Each row's blocks quantized: q [M, K] (Q4_K: each block's 32-weight pieces in the order its
-// code vectors hold them), d [M, K / 256], bs16 [M, K / 16].
+// code vectors hold them), d [K / 256, M] (block-major: a tile's input rows' scales side by side;
+// 4 more, zero, so that a 4-wide load at the last rows stays inside), bs16 [M, K / 16], bs32
+// [M, K / 32] (the sums of 32, natural order: at most 32 x 127, so 16 bits hold them).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int16_t> bs16;
-  int64_t K;
+  std::vector<int16_t> bs16, bs32;
+  int64_t M, K;
 
-  // row m's block b: its 256 int8 values, its scale dx and its 16 sums of 16
+  // row m's block b: its 256 int8 values, its scale dx, its 16 sums of 16 and 8 sums of 32
   const int8_t* q_at(int64_t m, int64_t b) const { return q.data() + m * K + b * QK; }
-  float d_at(int64_t m, int64_t b) const { return d[m * (K / QK) + b]; }
+  float d_at(int64_t m, int64_t b) const { return d[b * M + m]; }
+  const float* ds_at(int64_t m, int64_t b) const { return d.data() + b * M + m; }
   const int16_t* bs_at(int64_t m, int64_t b) const { return bs16.data() + m * (K / 16) + b * 16; }
+  const int16_t* bs32_at(int64_t m, int64_t b) const { return bs32.data() + m * (K / 32) + b * 8; }
 };
 
 // Output row r's block b (prefetched ahead), and the NR x MR sums stored (+ bias) as rows of y.
@@ -62,7 +66,8 @@ void store_rows(const float (&acc)[NR][MR], const float* bias, float* y, int64_t
 constexpr int Q4K_PIECE[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
 QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k_order) {
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / QK)), std::vector<int16_t>(M * (K / 16)), K};
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / QK) + 4), std::vector<int16_t>(M * (K / 16)),
+                  std::vector<int16_t>(M * (K / 32)), M, K};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       const float* xb = x + m * ldx + b * QK;
@@ -71,10 +76,10 @@ QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, b
       int8_t q[QK];
       if (amax == 0.0f) {
         std::memset(q, 0, QK);
-        r.d[m * (K / QK) + b] = 0.0f;
+        r.d[b * M + m] = 0.0f;
       } else {
         const float inv = 127.0f / amax;
-        r.d[m * (K / QK) + b] = amax / 127.0f;
+        r.d[b * M + m] = amax / 127.0f;
         for (int i = 0; i < QK; ++i) q[i] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xb[i] * inv))));
       }
       for (int s = 0; s < 16; ++s) {
@@ -82,6 +87,8 @@ QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, b
         for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
         r.bs16[m * (K / 16) + b * 16 + s] = static_cast<int16_t>(sum);
       }
+      for (int j = 0; j < 8; ++j)
+        r.bs32[m * (K / 32) + b * 8 + j] = static_cast<int16_t>(r.bs16[m * (K / 16) + b * 16 + 2 * j] + r.bs16[m * (K / 16) + b * 16 + 2 * j + 1]);
       int8_t* dst = r.q.data() + m * K + b * QK;
       for (int p = 0; p < 8; ++p) std::memcpy(dst + 32 * p, q + 32 * (q4k_order ? Q4K_PIECE[p] : p), 32);
     }
@@ -141,7 +148,7 @@ Q8_AVX2 inline int32_t sum8(__m256i v8x32) {  // the sum of eight 32-bit lanes
 
 // ---- AVX-512 VNNI -------------------------------------------------------------------------------
 
-#define Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
 // The four 64-weight code vectors of a block and its scales (16-bit lanes matching the codes'
 // 16-bit product pairs), and per format what the block needs besides.
@@ -344,6 +351,102 @@ Q8_TARGET void q8_rows(const QuantizedRows& xr, int64_t m0, const uint8_t* w, in
   store_rows(acc, bias, y, ldy);
 }
 
+// Multi-row calls: a tile of up to 4 output rows x 4 input rows whose 16 block sums are reduced
+// together (lane 4 r + m of one vector) and whose epilogue runs in those lanes: each lane the same
+// fp32 operations in the same order as the one-pair epilogue (q4k_value / q6k_value), so the same
+// bits. Reducing each pair's vector on its own (q8_rows) costs ~9 instructions a block per pair,
+// besides its scalar epilogue, against ~3 here; at 8 input rows that reduction was most of a call
+// (experiments/gguf_layers.py).
+
+// lane 4 c + p = the sum of chunk c (four 32-bit lanes) of v[p] (integers: exact in any order).
+Q8_TARGET inline __m512i sum_chunks4(const __m512i (&v)[4]) {
+  const __m512i s0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i s1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s0, s1), _mm512_unpackhi_epi64(s0, s1));
+}
+
+// lane 4 q + p = the sum of lane p over the four chunks of v[q].
+Q8_TARGET inline __m512i sum_across_chunks(const __m512i (&v)[4]) {
+  // 0x88: chunks 0, 2 of each operand; 0xDD: chunks 1, 3
+  const __m512i a = _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x88), _mm512_shuffle_i32x4(v[0], v[1], 0xDD));
+  const __m512i b = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2], v[3], 0x88), _mm512_shuffle_i32x4(v[2], v[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+}
+
+// The block's integer dot products of one output row (its codes and scales) with one input row,
+// in 16 lanes.
+Q8_TARGET inline __m512i codes_lanes(const __m512i* codes, const __m512i* scales, const int8_t* xq) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int v = 0; v < 4; ++v)
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(codes[v], _mm512_loadu_si512(xq + 64 * v)), scales[v]);
+  return acc;
+}
+
+template <int NR, int MR, bool Q4K>
+Q8_TARGET void q8_tile(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* y,
+                       int64_t ldy) {
+  static_assert(NR <= 4 && MR <= 8, "a tile is at most 4 x 8");
+  constexpr int G = (MR + 3) / 4;  // groups of four input rows: group g's pair (r, m) in lane 4 r + m - 4 g of vector g
+  // lane 4 r + m takes input row m's scale, and the fp16 pair (d, dmin) of row r: halves 2 r, 2 r + 1
+  alignas(64) static constexpr int32_t TO_M[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+  alignas(64) static constexpr int32_t TO_D[16] = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
+  alignas(64) static constexpr int32_t TO_DMIN[16] = {1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7};
+  const __m512i to_m = _mm512_load_si512(TO_M), to_d = _mm512_load_si512(TO_D), to_dmin = _mm512_load_si512(TO_DMIN);
+  __m512 acc[G];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t b = 0; b < xr.K / QK; ++b) {
+    __m512i rows[G][4];  // rows[g][r]: lane 4 c + m = chunk c of (r, 4 g + m)'s dot products
+    __m512i mins = _mm512_setzero_si512();  // Q4_K: chunk r = row r's eight mins (16-bit)
+    __m128i halves = _mm_setzero_si128();  // 32-bit lane r: row r's first four bytes (Q4_K d, dmin; Q6_K d, 0)
+    for (int r = 0; r < 4; ++r) {
+      __m512i sums[G][4];
+      for (auto& group : sums)
+        for (auto& v : group) v = _mm512_setzero_si512();
+      if (r < NR) {
+        const uint8_t* blk = block_at(w, r, row_bytes, b, Q4K ? 144 : 210);
+        uint32_t scale_bytes;
+        if constexpr (Q4K) {
+          const Q4KCodes c = q4k_codes(blk);
+          for (int m = 0; m < MR; ++m) sums[m / 4][m % 4] = codes_lanes(c.codes, c.scales, xr.q_at(m0 + m, b));
+          mins = _mm512_mask_broadcast_i32x4(mins, static_cast<__mmask16>(0xF << (4 * r)), c.mins);
+          std::memcpy(&scale_bytes, blk, 4);
+        } else {  // the -32 offset folded in: sum_j (-32 sc_j) bs16[j] in 16-bit products
+          const Q6KCodes c = q6k_codes(blk);
+          const __m512i offsets = _mm512_zextsi256_si512(_mm256_mullo_epi16(c.sc16, _mm256_set1_epi16(-32)));
+          for (int m = 0; m < MR; ++m) {
+            const __m512i bs = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs_at(m0 + m, b))));
+            sums[m / 4][m % 4] = _mm512_dpwssd_epi32(codes_lanes(c.codes, c.scales, xr.q_at(m0 + m, b)), bs, offsets);
+          }
+          uint16_t d16;
+          std::memcpy(&d16, blk + 208, 2);
+          scale_bytes = d16;
+        }
+        halves = _mm_mask_set1_epi32(halves, static_cast<__mmask8>(1 << r), static_cast<int>(scale_bytes));
+      }
+      for (int g = 0; g < G; ++g) rows[g][r] = sum_chunks4(sums[g]);
+    }
+    const __m512 scales = _mm512_castps256_ps512(_mm256_cvtph_ps(halves));  // fp16 -> fp32: exact
+    const __m512 ds = _mm512_permutexvar_ps(to_d, scales), dmins = _mm512_permutexvar_ps(to_dmin, scales);
+    for (int g = 0; g < G; ++g) {
+      const __m512 dxs = _mm512_permutexvar_ps(to_m, _mm512_castps128_ps512(_mm_loadu_ps(xr.ds_at(m0 + 4 * g, b))));
+      __m512 value = _mm512_mul_ps(_mm512_mul_ps(ds, dxs), _mm512_cvtepi32_ps(sum_across_chunks(rows[g])));
+      if constexpr (Q4K) {  // Mn: row r's mins times input row m's sums of 32, chunk r of mn[m]
+        __m512i mn[4];
+        for (int m = 0; m < 4; ++m)
+          mn[m] = 4 * g + m < MR
+                      ? _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr.bs32_at(m0 + 4 * g + m, b)))))
+                      : _mm512_setzero_si512();
+        value = _mm512_sub_ps(value, _mm512_mul_ps(_mm512_mul_ps(dmins, dxs), _mm512_cvtepi32_ps(sum_chunks4(mn))));
+      }
+      acc[g] = _mm512_add_ps(acc[g], value);
+    }
+  }
+  alignas(64) float lanes[G][16];
+  for (int g = 0; g < G; ++g) _mm512_store_ps(lanes[g], acc[g]);
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? lanes[m / 4][4 * r + m % 4] + bias[r] : lanes[m / 4][4 * r + m % 4];
+}
+
 enum class Q8Path { avx512_vnni, avx2, scalar };
 
 Q8Path auto_path() { return has_vnni() ? Q8Path::avx512_vnni : isa() != Isa::none ? Q8Path::avx2 : Q8Path::scalar; }
@@ -358,17 +461,17 @@ Q8Path path_named(const std::string& name) {
   return path;
 }
 
-// Output rows n0 .. n1 - 1 in blocks of NR (4 for one input row, else 2) x up to 4 input rows.
+// Output rows n0 .. n1 - 1 in tiles of 4 (single rows at the end), each against the input rows in
+// groups of up to 8: a tile's weights come from memory for the first group and from cache for the
+// others.
 template <typename RowsFn>
 void q8_blocks(int64_t M, int64_t n0, int64_t n1, RowsFn&& rows_fn) {
-  run_rows(M, 4, [&](int64_t r0, int rows) {
-    with_rows<4>(rows, [&](auto mr) {
-      constexpr int MR = decltype(mr)::value, NR = MR == 1 ? 4 : 2;
-      int64_t n = n0;
-      for (; n + NR <= n1; n += NR) rows_fn(std::integral_constant<int, NR>{}, mr, r0, n);
-      for (; n < n1; ++n) rows_fn(std::integral_constant<int, 1>{}, mr, r0, n);
-    });
-  });
+  const auto groups = [&](auto nr, int64_t n) {
+    run_rows(M, 8, [&](int64_t r0, int rows) { with_rows<8>(rows, [&](auto mr) { rows_fn(nr, mr, r0, n); }); });
+  };
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) groups(std::integral_constant<int, 4>{}, n);
+  for (; n < n1; ++n) groups(std::integral_constant<int, 1>{}, n);
 }
 
 void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_bytes, bool q4k, const float* bias, float* y,
@@ -391,9 +494,12 @@ void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_
     const uint8_t* wn = w + n * row_bytes;
     const float* bn = bias ? bias + n : nullptr;
     float* yn = y + r0 * N + n;
-    if (path == Q8Path::avx512_vnni) {
-      if (q4k) q8_rows<R, MR, true>(xr, r0, wn, row_bytes, bn, yn, N);
-      else q8_rows<R, MR, false>(xr, r0, wn, row_bytes, bn, yn, N);
+    if (path == Q8Path::avx512_vnni && MR == 1) {
+      if (q4k) q8_rows<R, 1, true>(xr, r0, wn, row_bytes, bn, yn, N);
+      else q8_rows<R, 1, false>(xr, r0, wn, row_bytes, bn, yn, N);
+    } else if (path == Q8Path::avx512_vnni) {
+      if (q4k) q8_tile<R, MR, true>(xr, r0, wn, row_bytes, bn, yn, N);
+      else q8_tile<R, MR, false>(xr, r0, wn, row_bytes, bn, yn, N);
     } else {
       if (q4k) q8_rows_avx2<R, MR, true>(xr, r0, wn, row_bytes, bn, yn, N);
       else q8_rows_avx2<R, MR, false>(xr, r0, wn, row_bytes, bn, yn, N);
