@@ -6,6 +6,12 @@ kernels interleaved in each repeat; prints the best and median time per call and
 read per second.
 
     python experiments/gguf_layers.py --model qwen2.5-coder-1.5b --tensors blk.0.ffn_gate.weight,blk.0.ffn_down.weight,output.weight
+
+With ``--every-layer`` each name is a suffix (``ffn_gate.weight``) and one call of each of that
+tensor in every layer runs in sequence, as a forward does (a tensor timed alone stays in the
+last-level cache between repeats; 28 layers' do not), ``linear_gguf_q8`` on this CPU's path:
+
+    python experiments/gguf_layers.py --every-layer --tensors ffn_gate.weight,ffn_down.weight,attn_q.weight --rows 1,6,8
 """
 
 from __future__ import annotations
@@ -29,12 +35,16 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--every-layer", action="store_true", help="--tensors are suffixes, timed over every layer in sequence")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ext = native_kernels()
     if ext is None:
         raise SystemExit("cascade's native kernels are unavailable here")
     tensors = {t.name: t for t in GGUFReader(str(gguf_source(args.model))).tensors}
+    if args.every_layer:
+        every_layer(ext, tensors, args)
+        return
     print(f"{args.model}, {args.threads} threads, {args.repeats} repeats (first dropped); ms per call best / median, GB/s of the file's bytes at the best")
     for name in args.tensors.split(","):
         t = tensors[name]
@@ -58,6 +68,34 @@ def main() -> None:
             row = "  ".join(f"{kind} {1e3 * min(v[1:]):.3f} / {1e3 * statistics.median(v[1:]):.3f} ms "
                             f"({blocks.numel() / min(v[1:]) / 1e9:.1f} GB/s)" for kind, v in times.items())
             print(f"{name:24s} {t.tensor_type.name:5s} {k:5d} x {n:6d}  rows {m:2d}  {row}", flush=True)
+
+
+def _blocks(t) -> tuple[torch.Tensor, int, int]:
+    """A GGUF tensor's blocks as [N, row bytes] uint8, with its K and N."""
+    k, n = int(t.shape[0]), int(t.shape[1])
+    return torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8).reshape(n, -1), k, n
+
+
+def every_layer(ext, tensors: dict, args) -> None:
+    print(f"{args.model}, {args.threads} threads, linear_gguf_q8 on path {ext.gguf_q8_isa()}, {args.repeats} repeats; "
+          "ms for one call of the tensor in every layer, in sequence: best / median, GB/s of the file's bytes at the best")
+    for suffix in args.tensors.split(","):
+        layers = [t for name, t in tensors.items()
+                  if (name == suffix or name.endswith("." + suffix)) and ext.gguf_q8_supported(int(t.tensor_type))]
+        if not layers:
+            raise SystemExit(f"no Q4_K / Q6_K tensor ends with {suffix!r}")
+        calls = [(*_blocks(t), int(t.tensor_type)) for t in layers]
+        total = sum(blocks.numel() for blocks, _, _, _ in calls)
+        xs = {k: torch.randn(max(int(r) for r in args.rows.split(",")), k) for _, k, _, _ in calls}
+        for m in (int(r) for r in args.rows.split(",")):
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                for blocks, k, n, qtype in calls:
+                    ext.linear_gguf_q8(xs[k][:m], blocks, qtype, n)
+                times.append(time.perf_counter() - t0)
+            print(f"{suffix:18s} x {len(calls):2d}  rows {m:2d}  {1e3 * min(times):.2f} / {1e3 * statistics.median(times):.2f} ms "
+                  f"({total / min(times) / 1e9:.1f} GB/s)", flush=True)
 
 
 if __name__ == "__main__":

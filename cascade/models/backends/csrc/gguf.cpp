@@ -31,15 +31,9 @@ namespace cascade_native {
 
 namespace {
 
-// AVX-512 code here also converts fp16 scales with F16C (every AVX-512 CPU has it): the scalar
+// AVX-512 code here also converts fp16 scales with F16C (f16_hw, gguf_blocks.h): the scalar
 // bit-level conversion runs once per 32-weight block in the legacy formats, on the hot path.
 #define GGUF_AVX512 __attribute__((target("avx512f,f16c")))
-
-GGUF_AVX512 inline float f16_hw(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return _cvtsh_ss(h);
-}
 
 GGUF_AVX512 inline __m512 iota16() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
