@@ -3,8 +3,8 @@
 // that an independent integer reference reproduces every output bit (tests/test_gguf.py).
 //
 // Activations: each row's 256-weight blocks quantized on their own: amax = max |x|, dx = amax /
-// 127, xq = rint(x * (127 / amax)) (round half to even; all zero when amax is 0), and the sums of
-// xq over each 16 (bs16). Per output row n, input row m and block b, integer sums (exact, so
+// 127, xq = rint(x * (127 / amax)) (round half to even; all zero when amax is 0; NaN inputs not
+// defined), and the sums of xq over each 16 (bs16). Per output row n, input row m and block b, integer sums (exact, so
 // their order is free):
 //   Q4_K: I = sum_j sc_j sum_{i<32} q xq,  Mn = sum_j m_j (bs16[2j] + bs16[2j+1]),
 //         y_b = (d dx) float(I) - (dmin dx) float(Mn)
@@ -14,9 +14,12 @@
 // call is bitwise the 1-row call.
 //
 // AVX-512 VNNI: codes unpacked 64 per vector, vpmaddubsw against the activations (pairs of
-// products in 16 bits) and vpdpwssd against the sub-block scales (accumulated in 32 bits). AVX2:
+// products in 16 bits) and vpdpwssd against the sub-block scales (accumulated in 32 bits; Q6_K's
+// -32 offset as vpdpwssd of bs16 against -32 sc_j, |-32 sc_j| <= 4096), in tiles of 4 output rows
+// x up to 8 input rows whose block sums are reduced and scaled in lanes (q8_tile). AVX2:
 // 32 codes per vector (one Q4_K sub-block, two Q6_K ones), vpmaddubsw, then vpmaddwd against the
-// scales and a 32-bit add: the same integers (no pair sum or product can overflow: codes <= 63,
+// scales and a 32-bit add, each output row's block sums for up to 8 input rows reduced and scaled
+// in lanes (q8_rows_avx2): the same integers (no pair sum or product can overflow: codes <= 63,
 // |xq| <= 127, scales <= 127). Elsewhere the same integers in scalar code. Other block types have
 // no int8 path (the backend keeps them on the exact kernel, gguf.cpp).
 
@@ -31,9 +34,10 @@ namespace {
 constexpr int QK = 256;
 
 // Each row's blocks quantized: q [M, K] (Q4_K: each block's 32-weight pieces in the order its
-// code vectors hold them), d [K / 256, M] (block-major: a tile's input rows' scales side by side;
-// 4 more, zero, so that a 4-wide load at the last rows stays inside), bs16 [M, K / 16], bs32
-// [M, K / 32] (the sums of 32, natural order: at most 32 x 127, so 16 bits hold them).
+// code vectors hold them), d [K / 256, M], bs16 [M, K / 16], bs32 [K / 256, M, 8] (each block's
+// sums of 32, natural order: at most 32 x 127, so 16 bits hold them). d and bs32 are block-major
+// (a tile's input rows side by side), with 8 more rows of zeros so that a tile's 8-row loads at
+// the last rows stay inside.
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
@@ -45,7 +49,7 @@ struct QuantizedRows {
   float d_at(int64_t m, int64_t b) const { return d[b * M + m]; }
   const float* ds_at(int64_t m, int64_t b) const { return d.data() + b * M + m; }
   const int16_t* bs_at(int64_t m, int64_t b) const { return bs16.data() + m * (K / 16) + b * 16; }
-  const int16_t* bs32_at(int64_t m, int64_t b) const { return bs32.data() + m * (K / 32) + b * 8; }
+  const int16_t* bs32_at(int64_t m, int64_t b) const { return bs32.data() + (b * M + m) * 8; }
 };
 
 // Output row r's block b of a tile of NR rows, and what lies PREFETCH_BYTES further along the
@@ -59,13 +63,6 @@ inline const uint8_t* block_at(const uint8_t* w, int r, int64_t row_bytes, int64
   const uint8_t* ahead = w + (r + p / nb * NR) * row_bytes + (p % nb) * block_bytes;
   for (int line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
   return blk;
-}
-
-// The NR x MR sums stored (+ bias) as rows of y.
-template <int NR, int MR>
-void store_rows(const float (&acc)[NR][MR], const float* bias, float* y, int64_t ldy) {
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? acc[r][m] + bias[r] : acc[r][m];
 }
 
 // Q4_K's code vectors (64 bytes each) hold the sub-blocks (0, 2), (1, 3), (4, 6), (5, 7): the low
@@ -106,8 +103,8 @@ __attribute__((target("avx512f,avx512bw"))) float block_codes_avx512(const float
 }
 
 QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k_order) {
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / QK) + 4), std::vector<int16_t>(M * (K / 16)),
-                  std::vector<int16_t>(M * (K / 32)), M, K};
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / QK) + 8), std::vector<int16_t>(M * (K / 16)),
+                  std::vector<int16_t>((M * (K / QK) + 8) * 8), M, K};
   const auto block_codes = isa() == Isa::avx512 ? block_codes_avx512 : block_codes_scalar;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
@@ -119,7 +116,7 @@ QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, b
         for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
         bs16[s] = static_cast<int16_t>(sum);
       }
-      for (int j = 0; j < 8; ++j) r.bs32[m * (K / 32) + b * 8 + j] = static_cast<int16_t>(bs16[2 * j] + bs16[2 * j + 1]);
+      for (int j = 0; j < 8; ++j) r.bs32[(b * M + m) * 8 + j] = static_cast<int16_t>(bs16[2 * j] + bs16[2 * j + 1]);
       int8_t* dst = r.q.data() + m * K + b * QK;
       for (int p = 0; p < 8; ++p) std::memcpy(dst + 32 * p, q + 32 * (q4k_order ? Q4K_PIECE[p] : p), 32);
     }
@@ -165,16 +162,6 @@ float q6k_block_scalar(const uint8_t* b, const int8_t* xq, float dx, const int16
     I += sc[j] * (dot - 32 * bs16[j]);
   }
   return q6k_value(f16_at(b + 208), dx, I);
-}
-
-// ---- vector paths ---------------------------------------------------------------------------------
-
-#define Q8_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-Q8_AVX2 inline int32_t sum8(__m256i v8x32) {  // the sum of eight 32-bit lanes
-  __m128i v = _mm_add_epi32(_mm256_castsi256_si128(v8x32), _mm256_extracti128_si256(v8x32, 1));
-  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
 }
 
 // ---- AVX-512 VNNI -------------------------------------------------------------------------------
@@ -248,10 +235,9 @@ Q8_TARGET inline Q6KCodes q6k_codes(const uint8_t* b) {
 
 // ---- AVX2 ----------------------------------------------------------------------------------------
 
+#define Q8_AVX2 __attribute__((target("avx2,fma,f16c")))
+
 // A block's eight 32-code vectors (vector i pairs with xq + 32 i) and their scales as 16-bit lanes.
-// (What the epilogue needs besides is read per input row: carrying it here too, as the VNNI
-// path's structs do, timed 15-20% slower for one-row Q6_K calls and 15-20% faster for four rows
-// on the Zen 5 with experiments/gguf_layers.py; a decode step is one row.)
 struct Codes32 {
   __m256i codes[8], scales[8];
 };
@@ -292,47 +278,120 @@ Q8_AVX2 inline Codes32 q6k_codes32(const uint8_t* b) {
   return c;
 }
 
-Q8_AVX2 inline int32_t codes_dot32(const Codes32& c, const int8_t* xq) {
-  __m256i acc = _mm256_setzero_si256();
+// The block's integer dot products of one output row with one input row, in 8 lanes.
+Q8_AVX2 inline __m256i codes_lanes32(const Codes32& c, const int8_t* xq) {
+  __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains: half the latency
   for (int i = 0; i < 8; ++i) {
     const __m256i pairs = _mm256_maddubs_epi16(c.codes[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i)));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, c.scales[i]));
+    acc[i % 2] = _mm256_add_epi32(acc[i % 2], _mm256_madd_epi16(pairs, c.scales[i]));
   }
-  return sum8(acc);
+  return _mm256_add_epi32(acc[0], acc[1]);
 }
 
-// One block's value for one input row, from its decoded codes.
-Q8_AVX2 inline float q4k_block32(const Codes32& c, const ScalesMins& u, float d, float dmin, const int8_t* xq, float dx,
-                                 const int16_t* bs16) {
-  const int32_t I = codes_dot32(c, xq);
-  // bs16 pairs -> the eight 32-weight sums, times m_j (bytes 8 .. 15 of u)
-  const __m256i sums32 = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)), _mm256_set1_epi16(1));
-  const __m256i mins32 = _mm256_cvtepu8_epi32(_mm_setr_epi32(static_cast<int>(u.word[2]), static_cast<int>(u.word[3]), 0, 0));
-  return q4k_value(d, dmin, dx, I, sum8(_mm256_mullo_epi32(sums32, mins32)));
+// lane k = the sum of v[k]'s eight lanes (integers: exact in any order): pairwise within 128-bit
+// halves, then the halves.
+Q8_AVX2 inline __m256i sum_lanes8(const __m256i (&v)[8]) {
+  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));  // per half: v0 .. v3's
+  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));  // per half: v4 .. v7's
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
 
-Q8_AVX2 inline float q6k_block32(const Codes32& c, const int8_t* sc, float d, const int8_t* xq, float dx, const int16_t* bs16) {
-  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-  const int32_t sc_bs = sum8(_mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16))));
-  return q6k_value(d, dx, codes_dot32(c, xq) - 32 * sc_bs);
+// lane k = the sum of item k's four partial sums, item 2 i in lanes 0-3 of v[i] and 2 i + 1 in
+// lanes 4-7 (Q4_K's Mn: eight mins times eight sums of 32 in 16-bit pairs, two items per vector).
+Q8_AVX2 inline __m256i sum_quads8(const __m256i (&v)[4]) {
+  // per half: items 0, 2, 4, 6 (low), 1, 3, 5, 7 (high)
+  const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  return _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// NR output rows x MR input rows, each (n, m) a scalar sum over blocks in order.
+// One input row against NR (<= 4) output rows: the rows' block sums reduced together (lane r).
+template <int NR, bool Q4K>
+Q8_AVX2 void q8_row_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
+                         float* y) {
+  static_assert(NR <= 4, "at most 4 output rows");
+  __m256 acc = _mm256_setzero_ps();  // lane r
+  for (int64_t b = 0; b < xr.K / QK; ++b) {
+    __m256i dots[8], mins[4];  // mins[i]: rows 2 i, 2 i + 1's mins (16-bit) in the low and high halves
+    for (auto& v : dots) v = _mm256_setzero_si256();
+    for (auto& v : mins) v = _mm256_setzero_si256();
+    alignas(32) float d[8] = {}, dmin[8] = {};
+    const int8_t* xq = xr.q_at(m0, b);
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* blk = block_at<NR>(w, r, row_bytes, b, Q4K ? 144 : 210);
+      if constexpr (Q4K) {
+        const ScalesMins u = q4k_scales_mins(blk + 4);
+        dots[r] = codes_lanes32(q4k_codes32(blk, u), xq);
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(u.word[2]), static_cast<int>(u.word[3]), 0, 0));
+        mins[r / 2] = r % 2 ? _mm256_inserti128_si256(mins[r / 2], mins16, 1) : _mm256_inserti128_si256(mins[r / 2], mins16, 0);
+        d[r] = f16_hw(blk);
+        dmin[r] = f16_hw(blk + 2);
+      } else {  // the -32 offset folded in, as in q8_rows_avx2
+        const __m256i offsets = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))),
+                                                   _mm256_set1_epi16(-32));
+        dots[r] = _mm256_add_epi32(codes_lanes32(q6k_codes32(blk), xq),
+                                   _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs_at(m0, b))), offsets));
+        d[r] = f16_hw(blk + 208);
+      }
+    }
+    const __m256 dx = _mm256_set1_ps(xr.d_at(m0, b));
+    __m256 value = _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(d), dx), _mm256_cvtepi32_ps(sum_lanes8(dots)));
+    if constexpr (Q4K) {
+      const __m256i sums32 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr.bs32_at(m0, b))));
+      __m256i mn[4];
+      for (int i = 0; i < 4; ++i) mn[i] = _mm256_madd_epi16(mins[i], sums32);
+      value = _mm256_sub_ps(value, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(dmin), dx), _mm256_cvtepi32_ps(sum_quads8(mn))));
+    }
+    acc = _mm256_add_ps(acc, value);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (int r = 0; r < NR; ++r) y[r] = bias ? lanes[r] + bias[r] : lanes[r];
+}
+
+// NR output rows x MR (<= 8) input rows: each output row's MR block sums reduced together (lane m)
+// and its epilogue run in those lanes, each lane the same fp32 operations in the same order as the
+// scalar path's (q4k_value / q6k_value). Per pair, reducing on its own with a scalar epilogue cost
+// ~6 instructions a block more.
 template <int NR, int MR, bool Q4K>
 Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
                           float* y, int64_t ldy) {
-  float acc[NR][MR] = {};
-  for (int64_t b = 0; b < xr.K / QK; ++b)
+  static_assert(MR <= 8, "at most 8 input rows");
+  __m256 acc[NR];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t b = 0; b < xr.K / QK; ++b) {
+    const __m256 dxs = _mm256_loadu_ps(xr.ds_at(m0, b));  // lane m: input row m0 + m's scale
     for (int r = 0; r < NR; ++r) {
       const uint8_t* blk = block_at<NR>(w, r, row_bytes, b, Q4K ? 144 : 210);
-      const ScalesMins u = Q4K ? q4k_scales_mins(blk + 4) : ScalesMins{};
-      const Codes32 c = Q4K ? q4k_codes32(blk, u) : q6k_codes32(blk);
-      for (int m = 0; m < MR; ++m)
-        acc[r][m] += Q4K ? q4k_block32(c, u, f16_hw(blk), f16_hw(blk + 2), xr.q_at(m0 + m, b), xr.d_at(m0 + m, b), xr.bs_at(m0 + m, b))
-                         : q6k_block32(c, reinterpret_cast<const int8_t*>(blk + 192), f16_hw(blk + 208), xr.q_at(m0 + m, b),
-                                       xr.d_at(m0 + m, b), xr.bs_at(m0 + m, b));
+      __m256i dots[8];
+      for (auto& v : dots) v = _mm256_setzero_si256();
+      __m256 value;
+      if constexpr (Q4K) {
+        const ScalesMins u = q4k_scales_mins(blk + 4);
+        const Codes32 c = q4k_codes32(blk, u);
+        for (int m = 0; m < MR; ++m) dots[m] = codes_lanes32(c, xr.q_at(m0 + m, b));
+        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(u.word[2]), static_cast<int>(u.word[3]), 0, 0));
+        const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(f16_hw(blk)), dxs), dm = _mm256_mul_ps(_mm256_set1_ps(f16_hw(blk + 2)), dxs);
+        const __m256i mins = _mm256_broadcastsi128_si256(mins16);
+        __m256i mn[4];  // mn[i]: input rows m0 + 2 i, m0 + 2 i + 1's sums of 32 times the mins
+        for (int i = 0; i < 4; ++i) mn[i] = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs32_at(m0 + 2 * i, b))), mins);
+        value = _mm256_sub_ps(_mm256_mul_ps(dd, _mm256_cvtepi32_ps(sum_lanes8(dots))), _mm256_mul_ps(dm, _mm256_cvtepi32_ps(sum_quads8(mn))));
+      } else {  // the -32 offset folded in: sum_j (-32 sc_j) bs16[j] in 16-bit products
+        const Codes32 c = q6k_codes32(blk);
+        const __m256i offsets = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))),
+                                                   _mm256_set1_epi16(-32));
+        for (int m = 0; m < MR; ++m)
+          dots[m] = _mm256_add_epi32(codes_lanes32(c, xr.q_at(m0 + m, b)),
+                                     _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs_at(m0 + m, b))), offsets));
+        value = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16_hw(blk + 208)), dxs), _mm256_cvtepi32_ps(sum_lanes8(dots)));
+      }
+      acc[r] = _mm256_add_ps(acc[r], value);
     }
-  store_rows(acc, bias, y, ldy);
+  }
+  for (int r = 0; r < NR; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    for (int m = 0; m < MR; ++m) y[m * ldy + r] = bias ? lanes[m] + bias[r] : lanes[m];
+  }
 }
 
 // The VNNI path: a tile of up to 4 output rows x 8 input rows (one input row: a decode step) whose
@@ -495,6 +554,9 @@ void q8_range(const QuantizedRows& xr, int64_t M, const uint8_t* w, int64_t row_
     if (path == Q8Path::avx512_vnni) {
       if (q4k) q8_tile<R, MR, true>(xr, r0, wn, row_bytes, bn, yn, N);
       else q8_tile<R, MR, false>(xr, r0, wn, row_bytes, bn, yn, N);
+    } else if constexpr (MR == 1) {
+      if (q4k) q8_row_avx2<R, true>(xr, r0, wn, row_bytes, bn, yn);
+      else q8_row_avx2<R, false>(xr, r0, wn, row_bytes, bn, yn);
     } else {
       if (q4k) q8_rows_avx2<R, MR, true>(xr, r0, wn, row_bytes, bn, yn, N);
       else q8_rows_avx2<R, MR, false>(xr, r0, wn, row_bytes, bn, yn, N);
