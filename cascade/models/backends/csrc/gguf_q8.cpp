@@ -278,6 +278,16 @@ Q8_AVX2 inline Codes32 q6k_codes32(const uint8_t* b) {
   return c;
 }
 
+// Q6_K's -32 offset as 16-bit products with bs16: -32 sc_j (|-32 sc_j| <= 4096).
+Q8_AVX2 inline __m256i q6k_offsets(const uint8_t* b) {
+  return _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))), _mm256_set1_epi16(-32));
+}
+
+// Q4_K's eight mins (bytes 8 .. 15 of u) as 16-bit.
+Q8_AVX2 inline __m128i q4k_mins16(const ScalesMins& u) {
+  return _mm_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(u.word[2]), static_cast<int>(u.word[3]), 0, 0));
+}
+
 // The block's integer dot products of one output row with one input row, in 8 lanes.
 Q8_AVX2 inline __m256i codes_lanes32(const Codes32& c, const int8_t* xq) {
   __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // two chains: half the latency
@@ -321,13 +331,12 @@ Q8_AVX2 void q8_row_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, 
       if constexpr (Q4K) {
         const ScalesMins u = q4k_scales_mins(blk + 4);
         dots[r] = codes_lanes32(q4k_codes32(blk, u), xq);
-        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(u.word[2]), static_cast<int>(u.word[3]), 0, 0));
+        const __m128i mins16 = q4k_mins16(u);
         mins[r / 2] = r % 2 ? _mm256_inserti128_si256(mins[r / 2], mins16, 1) : _mm256_inserti128_si256(mins[r / 2], mins16, 0);
         d[r] = f16_hw(blk);
         dmin[r] = f16_hw(blk + 2);
       } else {  // the -32 offset folded in, as in q8_rows_avx2
-        const __m256i offsets = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))),
-                                                   _mm256_set1_epi16(-32));
+        const __m256i offsets = q6k_offsets(blk);
         dots[r] = _mm256_add_epi32(codes_lanes32(q6k_codes32(blk), xq),
                                    _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs_at(m0, b))), offsets));
         d[r] = f16_hw(blk + 208);
@@ -369,7 +378,7 @@ Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w,
         const ScalesMins u = q4k_scales_mins(blk + 4);
         const Codes32 c = q4k_codes32(blk, u);
         for (int m = 0; m < MR; ++m) dots[m] = codes_lanes32(c, xr.q_at(m0 + m, b));
-        const __m128i mins16 = _mm_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(u.word[2]), static_cast<int>(u.word[3]), 0, 0));
+        const __m128i mins16 = q4k_mins16(u);
         const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(f16_hw(blk)), dxs), dm = _mm256_mul_ps(_mm256_set1_ps(f16_hw(blk + 2)), dxs);
         const __m256i mins = _mm256_broadcastsi128_si256(mins16);
         __m256i mn[4];  // mn[i]: input rows m0 + 2 i, m0 + 2 i + 1's sums of 32 times the mins
@@ -377,8 +386,7 @@ Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w,
         value = _mm256_sub_ps(_mm256_mul_ps(dd, _mm256_cvtepi32_ps(sum_lanes8(dots))), _mm256_mul_ps(dm, _mm256_cvtepi32_ps(sum_quads8(mn))));
       } else {  // the -32 offset folded in: sum_j (-32 sc_j) bs16[j] in 16-bit products
         const Codes32 c = q6k_codes32(blk);
-        const __m256i offsets = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))),
-                                                   _mm256_set1_epi16(-32));
+        const __m256i offsets = q6k_offsets(blk);
         for (int m = 0; m < MR; ++m)
           dots[m] = _mm256_add_epi32(codes_lanes32(c, xr.q_at(m0 + m, b)),
                                      _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs_at(m0 + m, b))), offsets));
