@@ -172,7 +172,6 @@ float q6k_block_scalar(const uint8_t* b, const int8_t* xq, float dx, const int16
 // 16-bit product pairs), and per format what the block needs besides.
 struct Q4KCodes {
   __m512i codes[4], scales[4];
-  __m128i mins;  // m_0 .. m_7 as 16-bit
 };
 
 // Index vectors for vpermw: lanes 8q .. 8q + 7 take value pieces[q] (a 16-bit lane is a pair of
@@ -188,6 +187,9 @@ constexpr LaneIndex lane_index(int a, int b, int c, int d) {
 }
 // Q4_K: the code vectors hold sub-blocks (0, 2), (1, 3), (4, 6), (5, 7), 32 weights each
 constexpr LaneIndex Q4K_LANES[4] = {lane_index(0, 0, 2, 2), lane_index(1, 1, 3, 3), lane_index(4, 4, 6, 6), lane_index(5, 5, 7, 7)};
+// the same from the upper half of a pair of blocks' 16-bit scales (q8_tile's odd rows)
+constexpr LaneIndex Q4K_LANES_HIGH[4] = {lane_index(16, 16, 18, 18), lane_index(17, 17, 19, 19), lane_index(20, 20, 22, 22),
+                                         lane_index(21, 21, 23, 23)};
 // Q6_K: vector v holds its sub-blocks 4v .. 4v + 3, 16 weights each
 constexpr LaneIndex Q6K_LANES[4] = {lane_index(0, 1, 2, 3), lane_index(4, 5, 6, 7), lane_index(8, 9, 10, 11), lane_index(12, 13, 14, 15)};
 
@@ -195,7 +197,21 @@ Q8_TARGET inline __m512i lanes_of(const __m256i& values16, const LaneIndex& inde
   return _mm512_permutexvar_epi16(_mm512_load_si512(index.lane), _mm512_castsi256_si512(values16));
 }
 
-Q8_TARGET inline Q4KCodes q4k_codes(const uint8_t* b) {
+// Q4_K's 6-bit scales and mins of up to four blocks at once, as q4k_scales_mins unpacks one: chunk r
+// of raw holds block r's 12 bytes (and 4 more), chunk r of the result its sc_0..7, m_0..7 (bytes).
+Q8_TARGET inline __m512i q4k_scales_mins4(__m512i raw) {
+  const __m512i a = _mm512_srlv_epi32(_mm512_shuffle_epi32(raw, static_cast<_MM_PERM_ENUM>(0x98)),  // u0, u2, u1, u2 >> 4
+                                      _mm512_set4_epi32(4, 0, 0, 0));
+  const __m512i b = _mm512_shuffle_epi32(raw, static_cast<_MM_PERM_ENUM>(0x50));  // u0, u0, u1, u1
+  const __m512i even = _mm512_and_si512(a, _mm512_set1_epi32(0x3f3f3f3f));
+  const __m512i odd = _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0x0f0f0f0f)),
+                                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 6), _mm512_set1_epi32(0x03030303)), 4));
+  return _mm512_mask_blend_epi32(0xAAAA, even, odd);
+}
+
+// A block's codes, and its scales from two blocks' unpacked scales and mins as 16-bit (sc_0..7,
+// m_0..7 of one block, then the other's): the second block's when high.
+Q8_TARGET inline Q4KCodes q4k_codes(const uint8_t* b, const __m512i& pair_scales16, bool high) {
   Q4KCodes c;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int h = 0; h < 2; ++h) {
@@ -203,11 +219,8 @@ Q8_TARGET inline Q4KCodes q4k_codes(const uint8_t* b) {
     c.codes[2 * h] = _mm512_and_si512(v, low4);
     c.codes[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
   }
-  const ScalesMins u = q4k_scales_mins(b + 4);
-  const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_setr_epi32(static_cast<int>(u.word[0]), static_cast<int>(u.word[1]),
-                                                           static_cast<int>(u.word[2]), static_cast<int>(u.word[3])));
-  for (int v = 0; v < 4; ++v) c.scales[v] = lanes_of(sc16, Q4K_LANES[v]);
-  c.mins = _mm256_extracti128_si256(sc16, 1);
+  const LaneIndex* lanes = high ? Q4K_LANES_HIGH : Q4K_LANES;
+  for (int v = 0; v < 4; ++v) c.scales[v] = _mm512_permutexvar_epi16(_mm512_load_si512(lanes[v].lane), pair_scales16);
   return c;
 }
 
@@ -457,19 +470,32 @@ Q8_TARGET void q8_tile(const QuantizedRows& xr, int64_t m0, const uint8_t* w, in
   for (auto& a : acc) a = _mm512_setzero_ps();
   for (int64_t b = 0; b < xr.K / QK; ++b) {
     __m512i rows[G][4];  // rows[g][r]: lane 4 c + m = chunk c of (r, 4 g + m)'s dot products
-    __m512i mins = _mm512_setzero_si512();  // Q4_K: chunk r = row r's eight mins (16-bit)
     __m128i halves = _mm_setzero_si128();  // 32-bit lane r: row r's first four bytes (Q4_K d, dmin; Q6_K d, 0)
+    const uint8_t* blks[4];
+    for (int r = 0; r < NR; ++r) blks[r] = block_at<NR>(w, r, row_bytes, b, Q4K ? 144 : 210);
+    // Q4_K: the rows' scales and mins unpacked together (chunk r: row r's sc_0..7, m_0..7), and
+    // mins chunk r = row r's eight mins as 16-bit
+    __m512i mins = _mm512_setzero_si512(), pair_scales16[2];  // pair_scales16[i]: rows 2 i, 2 i + 1's sc, m as 16-bit
+    if constexpr (Q4K) {
+      __m512i raw = _mm512_setzero_si512();
+      for (int r = 0; r < NR; ++r)
+        raw = _mm512_mask_broadcast_i32x4(raw, static_cast<__mmask16>(0xF << (4 * r)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(blks[r] + 4)));
+      const __m512i unpacked = q4k_scales_mins4(raw);
+      pair_scales16[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(unpacked));
+      pair_scales16[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(unpacked, 1));
+      const __m512i to_mins = _mm512_broadcast_i32x4(_mm_setr_epi8(8, -128, 9, -128, 10, -128, 11, -128, 12, -128, 13, -128, 14, -128, 15, -128));
+      mins = _mm512_shuffle_epi8(unpacked, to_mins);
+    }
     for (int r = 0; r < 4; ++r) {
       __m512i sums[G][4];
       for (auto& group : sums)
         for (auto& v : group) v = _mm512_setzero_si512();
       if (r < NR) {
-        const uint8_t* blk = block_at<NR>(w, r, row_bytes, b, Q4K ? 144 : 210);
+        const uint8_t* blk = blks[r];
         uint32_t scale_bytes;
         if constexpr (Q4K) {
-          const Q4KCodes c = q4k_codes(blk);
+          const Q4KCodes c = q4k_codes(blk, pair_scales16[r / 2], r % 2);
           for (int m = 0; m < MR; ++m) sums[m / 4][m % 4] = codes_lanes(c.codes, c.scales, xr.q_at(m0 + m, b));
-          mins = _mm512_mask_broadcast_i32x4(mins, static_cast<__mmask16>(0xF << (4 * r)), c.mins);
           std::memcpy(&scale_bytes, blk, 4);
         } else {  // the -32 offset folded in: sum_j (-32 sc_j) bs16[j] in 16-bit products
           const Q6KCodes c = q6k_codes(blk);
