@@ -73,6 +73,8 @@ constexpr int Q4K_PIECE[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 // definition; the AVX-512 one the same operations per lane (a max is exact in any order; the
 // product one fp32 multiply; vcvtps2dq rounds half to even as nearbyint does in the default mode):
 // the scalar loop's libm rounding cost ~35 us per call at K = 8960, ~1 ms of a 1.5B decode step.
+// The VNNI path uses the AVX-512 one, the AVX2 and scalar paths the scalar one (what an AVX2-only
+// CPU runs, so that their tests on an AVX-512 CPU check it too).
 float block_codes_scalar(const float* xb, int8_t* q) {
   float amax = 0.0f;
   for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
@@ -102,10 +104,10 @@ __attribute__((target("avx512f,avx512bw"))) float block_codes_avx512(const float
   return a / 127.0f;
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k_order) {
+QuantizedRows quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, bool q4k_order, bool avx512) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / QK) + 8), std::vector<int16_t>(M * (K / 16)),
                   std::vector<int16_t>((M * (K / QK) + 8) * 8), M, K};
-  const auto block_codes = isa() == Isa::avx512 ? block_codes_avx512 : block_codes_scalar;
+  const auto block_codes = avx512 ? block_codes_avx512 : block_codes_scalar;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / QK; ++b) {
       int8_t q[QK];
@@ -623,7 +625,7 @@ torch::Tensor linear_gguf_q8(const torch::Tensor& x, const torch::Tensor& blocks
               K / QK * (q4k ? 144 : 210), " bytes, blocks has ", blocks.size(1));
   const Q8Path which = path_named(path);
   auto y = torch::empty({M, N}, x.options());
-  const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q4k);
+  const QuantizedRows xr = quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q4k, which == Q8Path::avx512_vnni);
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
