@@ -4,8 +4,8 @@
 //
 // Activations: each row's 256-weight blocks quantized on their own: amax = max |x|, dx = amax /
 // 127, xq = rint(x * (127 / amax)) (round half to even; all zero when amax is 0; NaN inputs not
-// defined), and the sums of xq over each 16 (bs16). Per output row n, input row m and block b, integer sums (exact, so
-// their order is free):
+// defined), and the sums of xq over each 16 (bs16). Per output row n, input row m and block b,
+// integer sums (exact, so their order is free):
 //   Q4_K: I = sum_j sc_j sum_{i<32} q xq,  Mn = sum_j m_j (bs16[2j] + bs16[2j+1]),
 //         y_b = (d dx) float(I) - (dmin dx) float(Mn)
 //   Q6_K: I = sum_j sc_j (sum_{i<16} q xq - 32 bs16[j]),  y_b = (d dx) float(I)
@@ -46,8 +46,8 @@ struct QuantizedRows {
 
   // row m's block b: its 256 int8 values, its scale dx, its 16 sums of 16 and 8 sums of 32
   const int8_t* q_at(int64_t m, int64_t b) const { return q.data() + m * K + b * QK; }
-  float d_at(int64_t m, int64_t b) const { return d[b * M + m]; }
-  const float* ds_at(int64_t m, int64_t b) const { return d.data() + b * M + m; }
+  const float* ds_at(int64_t m, int64_t b) const { return d.data() + b * M + m; }  // input rows m, m + 1, ... side by side
+  float d_at(int64_t m, int64_t b) const { return *ds_at(m, b); }
   const int16_t* bs_at(int64_t m, int64_t b) const { return bs16.data() + m * (K / 16) + b * 16; }
   const int16_t* bs32_at(int64_t m, int64_t b) const { return bs32.data() + (b * M + m) * 8; }
 };
@@ -313,6 +313,18 @@ Q8_AVX2 inline __m256i codes_lanes32(const Codes32& c, const int8_t* xq) {
   return _mm256_add_epi32(acc[0], acc[1]);
 }
 
+// Q6_K: the dot products with the -32 offset folded in, sum_j (-32 sc_j) bs16[j] in 16-bit products.
+Q8_AVX2 inline __m256i q6k_lanes32(const Codes32& c, __m256i offsets, const int8_t* xq, const int16_t* bs16) {
+  return _mm256_add_epi32(codes_lanes32(c, xq), _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16)), offsets));
+}
+
+// q4k_value / q6k_value in 8 lanes: each lane the same fp32 operations in the same order.
+Q8_AVX2 inline __m256 q4k_value8(__m256 d, __m256 dmin, __m256 dx, __m256i I, __m256i Mn) {
+  return _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(I)), _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(Mn)));
+}
+
+Q8_AVX2 inline __m256 q6k_value8(__m256 d, __m256 dx, __m256i I) { return _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(I)); }
+
 // lane k = the sum of v[k]'s eight lanes (integers: exact in any order): pairwise within 128-bit
 // halves, then the halves.
 Q8_AVX2 inline __m256i sum_lanes8(const __m256i (&v)[8]) {
@@ -350,22 +362,20 @@ Q8_AVX2 void q8_row_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, 
         mins[r / 2] = r % 2 ? _mm256_inserti128_si256(mins[r / 2], mins16, 1) : _mm256_inserti128_si256(mins[r / 2], mins16, 0);
         d[r] = f16_hw(blk);
         dmin[r] = f16_hw(blk + 2);
-      } else {  // the -32 offset folded in, as in q8_rows_avx2
-        const __m256i offsets = q6k_offsets(blk);
-        dots[r] = _mm256_add_epi32(codes_lanes32(q6k_codes32(blk), xq),
-                                   _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs_at(m0, b))), offsets));
+      } else {
+        dots[r] = q6k_lanes32(q6k_codes32(blk), q6k_offsets(blk), xq, xr.bs_at(m0, b));
         d[r] = f16_hw(blk + 208);
       }
     }
     const __m256 dx = _mm256_set1_ps(xr.d_at(m0, b));
-    __m256 value = _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(d), dx), _mm256_cvtepi32_ps(sum_lanes8(dots)));
     if constexpr (Q4K) {
       const __m256i sums32 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr.bs32_at(m0, b))));
       __m256i mn[4];
       for (int i = 0; i < 4; ++i) mn[i] = _mm256_madd_epi16(mins[i], sums32);
-      value = _mm256_sub_ps(value, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps(dmin), dx), _mm256_cvtepi32_ps(sum_quads8(mn))));
+      acc = _mm256_add_ps(acc, q4k_value8(_mm256_load_ps(d), _mm256_load_ps(dmin), dx, sum_lanes8(dots), sum_quads8(mn)));
+    } else {
+      acc = _mm256_add_ps(acc, q6k_value8(_mm256_load_ps(d), dx, sum_lanes8(dots)));
     }
-    acc = _mm256_add_ps(acc, value);
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, acc);
@@ -393,19 +403,15 @@ Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w,
         const ScalesMins u = q4k_scales_mins(blk + 4);
         const Codes32 c = q4k_codes32(blk, u);
         for (int m = 0; m < MR; ++m) dots[m] = codes_lanes32(c, xr.q_at(m0 + m, b));
-        const __m128i mins16 = q4k_mins16(u);
-        const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(f16_hw(blk)), dxs), dm = _mm256_mul_ps(_mm256_set1_ps(f16_hw(blk + 2)), dxs);
-        const __m256i mins = _mm256_broadcastsi128_si256(mins16);
+        const __m256i mins = _mm256_broadcastsi128_si256(q4k_mins16(u));
         __m256i mn[4];  // mn[i]: input rows m0 + 2 i, m0 + 2 i + 1's sums of 32 times the mins
         for (int i = 0; i < 4; ++i) mn[i] = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs32_at(m0 + 2 * i, b))), mins);
-        value = _mm256_sub_ps(_mm256_mul_ps(dd, _mm256_cvtepi32_ps(sum_lanes8(dots))), _mm256_mul_ps(dm, _mm256_cvtepi32_ps(sum_quads8(mn))));
-      } else {  // the -32 offset folded in: sum_j (-32 sc_j) bs16[j] in 16-bit products
+        value = q4k_value8(_mm256_set1_ps(f16_hw(blk)), _mm256_set1_ps(f16_hw(blk + 2)), dxs, sum_lanes8(dots), sum_quads8(mn));
+      } else {
         const Codes32 c = q6k_codes32(blk);
         const __m256i offsets = q6k_offsets(blk);
-        for (int m = 0; m < MR; ++m)
-          dots[m] = _mm256_add_epi32(codes_lanes32(c, xr.q_at(m0 + m, b)),
-                                     _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.bs_at(m0 + m, b))), offsets));
-        value = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(f16_hw(blk + 208)), dxs), _mm256_cvtepi32_ps(sum_lanes8(dots)));
+        for (int m = 0; m < MR; ++m) dots[m] = q6k_lanes32(c, offsets, xr.q_at(m0 + m, b), xr.bs_at(m0 + m, b));
+        value = q6k_value8(_mm256_set1_ps(f16_hw(blk + 208)), dxs, sum_lanes8(dots));
       }
       acc[r] = _mm256_add_ps(acc[r], value);
     }
@@ -448,6 +454,13 @@ Q8_TARGET inline __m512i row_totals(const __m512i (&v)[4]) {
   t = _mm512_add_epi32(t, _mm512_shuffle_i32x4(t, t, 0xB1));  // + the neighbouring chunk: lane r of every chunk = v[r]'s sum
   return _mm512_permutexvar_epi32(_mm512_load_si512(TO_ROW), t);
 }
+
+// q4k_value / q6k_value in 16 lanes: each lane the same fp32 operations in the same order.
+Q8_TARGET inline __m512 q4k_value16(__m512 d, __m512 dmin, __m512 dx, __m512i I, __m512i Mn) {
+  return _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(I)), _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(Mn)));
+}
+
+Q8_TARGET inline __m512 q6k_value16(__m512 d, __m512 dx, __m512i I) { return _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(I)); }
 
 // The block's integer dot products of one output row (its codes and scales) with one input row,
 // in 16 lanes.
@@ -521,16 +534,16 @@ Q8_TARGET void q8_tile(const QuantizedRows& xr, int64_t m0, const uint8_t* w, in
     for (int g = 0; g < G; ++g) {
       const __m512 dxs = _mm512_permutexvar_ps(to_m, _mm512_castps128_ps512(_mm_loadu_ps(xr.ds_at(m0 + 4 * g, b))));
       const __m512i I = MR == 1 ? row_totals(rows[0]) : sum_across_chunks(rows[g]);
-      __m512 value = _mm512_mul_ps(_mm512_mul_ps(ds, dxs), _mm512_cvtepi32_ps(I));
       if constexpr (Q4K) {  // Mn: row r's mins times input row m's sums of 32, chunk r of mn[m]
         __m512i mn[4];
         for (int m = 0; m < 4; ++m)
           mn[m] = 4 * g + m < MR
                       ? _mm512_madd_epi16(mins, _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr.bs32_at(m0 + 4 * g + m, b)))))
                       : _mm512_setzero_si512();
-        value = _mm512_sub_ps(value, _mm512_mul_ps(_mm512_mul_ps(dmins, dxs), _mm512_cvtepi32_ps(sum_chunks4(mn))));
+        acc[g] = _mm512_add_ps(acc[g], q4k_value16(ds, dmins, dxs, I, sum_chunks4(mn)));
+      } else {
+        acc[g] = _mm512_add_ps(acc[g], q6k_value16(ds, dxs, I));
       }
-      acc[g] = _mm512_add_ps(acc[g], value);
     }
   }
   alignas(64) float lanes[G][16];
