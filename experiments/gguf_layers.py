@@ -20,19 +20,19 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 from gguf import GGUFReader
 
-from cascade.models.loading import gguf_source
+from cascade.models.backends.gguf_weights import FileTensor
 from cascade.models.backends.native import native_kernels
+from cascade.models.loading import gguf_source
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a zoo name or a .gguf file")
     ap.add_argument("--tensors", default="blk.0.ffn_gate.weight,blk.0.ffn_down.weight,output.weight")
-    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--rows", default=[1, 4, 8], type=lambda s: [int(r) for r in s.split(",")])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--every-layer", action="store_true", help="--tensors are suffixes, timed over every layer in sequence")
@@ -47,54 +47,46 @@ def main() -> None:
         return
     print(f"{args.model}, {args.threads} threads, {args.repeats} repeats (first dropped); ms per call best / median, GB/s of the file's bytes at the best")
     for name in args.tensors.split(","):
-        t = tensors[name]
-        k, n = int(t.shape[0]), int(t.shape[1])
-        blocks = torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8).reshape(n, -1)
+        t = FileTensor(tensors[name])
+        k, n, blocks = t.k, t.rows, t.data
         kernels = {"exact": ext.linear_gguf}
-        if ext.gguf_q8_supported(int(t.tensor_type)):
+        if ext.gguf_q8_supported(t.qtype):
             kernels["q8"] = ext.linear_gguf_q8
             if ext.gguf_q8_isa() == "avx512_vnni":
                 kernels["q8_avx2"] = lambda *a: ext.linear_gguf_q8(*a, path="avx2")
             if ext.gguf_q8_isa() != "scalar":
                 kernels["q8_scalar"] = lambda *a: ext.linear_gguf_q8(*a, path="scalar")
-        for m in (int(r) for r in args.rows.split(",")):
+        for m in args.rows:
             x = torch.randn(m, k)
             times = {kind: [] for kind in kernels}
             for _ in range(args.repeats + 1):
                 for kind, fn in kernels.items():
                     t0 = time.perf_counter()
-                    fn(x, blocks, int(t.tensor_type), n)
+                    fn(x, blocks, t.qtype, n)
                     times[kind].append(time.perf_counter() - t0)
             row = "  ".join(f"{kind} {1e3 * min(v[1:]):.3f} / {1e3 * statistics.median(v[1:]):.3f} ms "
                             f"({blocks.numel() / min(v[1:]) / 1e9:.1f} GB/s)" for kind, v in times.items())
-            print(f"{name:24s} {t.tensor_type.name:5s} {k:5d} x {n:6d}  rows {m:2d}  {row}", flush=True)
-
-
-def _blocks(t) -> tuple[torch.Tensor, int, int]:
-    """A GGUF tensor's blocks as [N, row bytes] uint8, with its K and N."""
-    k, n = int(t.shape[0]), int(t.shape[1])
-    return torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8).reshape(n, -1), k, n
+            print(f"{name:24s} {t.type_name:5s} {k:5d} x {n:6d}  rows {m:2d}  {row}", flush=True)
 
 
 def every_layer(ext, tensors: dict, args) -> None:
     print(f"{args.model}, {args.threads} threads, linear_gguf_q8 on path {ext.gguf_q8_isa()}, {args.repeats} repeats; "
           "ms for one call of the tensor in every layer, in sequence: best / median, GB/s of the file's bytes at the best")
     for suffix in args.tensors.split(","):
-        layers = [t for name, t in tensors.items()
+        layers = [FileTensor(t) for name, t in tensors.items()
                   if (name == suffix or name.endswith("." + suffix)) and ext.gguf_q8_supported(int(t.tensor_type))]
         if not layers:
             raise SystemExit(f"no Q4_K / Q6_K tensor ends with {suffix!r}")
-        calls = [(*_blocks(t), int(t.tensor_type)) for t in layers]
-        total = sum(blocks.numel() for blocks, _, _, _ in calls)
-        xs = {k: torch.randn(max(int(r) for r in args.rows.split(",")), k) for _, k, _, _ in calls}
-        for m in (int(r) for r in args.rows.split(",")):
+        total = sum(t.data.numel() for t in layers)
+        xs = {t.k: torch.randn(max(args.rows), t.k) for t in layers}
+        for m in args.rows:
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                for blocks, k, n, qtype in calls:
-                    ext.linear_gguf_q8(xs[k][:m], blocks, qtype, n)
+                for t in layers:
+                    ext.linear_gguf_q8(xs[t.k][:m], t.data, t.qtype, t.rows)
                 times.append(time.perf_counter() - t0)
-            print(f"{suffix:18s} x {len(calls):2d}  rows {m:2d}  {1e3 * min(times):.2f} / {1e3 * statistics.median(times):.2f} ms "
+            print(f"{suffix:18s} x {len(layers):2d}  rows {m:2d}  {1e3 * min(times):.2f} / {1e3 * statistics.median(times):.2f} ms "
                   f"({total / min(times) / 1e9:.1f} GB/s)", flush=True)
 
 
