@@ -71,8 +71,8 @@ constexpr int Q4K_PIECE[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
 // One 256-value block to int8 codes and its scale dx (the header's rule). The scalar code is the
 // definition; the AVX-512 one the same operations per lane (a max is exact in any order; the
-// product one fp32 multiply; vcvtps2dq rounds half to even as nearbyint does in the default mode):
-// the scalar loop's libm rounding cost ~35 us per call at K = 8960, ~1 ms of a 1.5B decode step.
+// product one fp32 multiply; vcvtps2dq rounds half to even as nearbyint does in the default mode),
+// without the scalar loop's libm call per value.
 // The VNNI path uses the AVX-512 one, the AVX2 and scalar paths the scalar one (what an AVX2-only
 // CPU runs, so that their tests on an AVX-512 CPU check it too).
 float block_codes_scalar(const float* xb, int8_t* q) {
@@ -383,9 +383,8 @@ Q8_AVX2 void q8_row_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, 
 }
 
 // NR output rows x MR (<= 8) input rows: each output row's MR block sums reduced together (lane m)
-// and its epilogue run in those lanes, each lane the same fp32 operations in the same order as the
-// scalar path's (q4k_value / q6k_value). Per pair, reducing on its own with a scalar epilogue cost
-// ~6 instructions a block more.
+// and its epilogue run in those lanes (q4k_value8 / q6k_value8). Per pair, reducing on its own with
+// a scalar epilogue took ~6 instructions a block more (by count).
 template <int NR, int MR, bool Q4K>
 Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias,
                           float* y, int64_t ldy) {
@@ -426,10 +425,10 @@ Q8_AVX2 void q8_rows_avx2(const QuantizedRows& xr, int64_t m0, const uint8_t* w,
 // The VNNI path: a tile of up to 4 output rows x 8 input rows (one input row: a decode step) whose
 // block sums are reduced together, four input rows to a vector (lane 4 r + m), and whose epilogue
 // runs in those lanes: each lane the same fp32 operations in the same order as the scalar path's
-// (q4k_value / q6k_value), so the same bits. Reducing each pair's vector on its own, with a
-// scalar epilogue, cost ~30 instructions a block per pair against ~8 here: 8-row calls of the
-// 1.5B's 28 ffn_gate tensors in sequence took 16.5 ms before, 10.3-13.3 after on the Zen 5
-// (experiments/gguf_layers.py --every-layer).
+// (q4k_value16 / q6k_value16), so the same bits. Reducing each pair's vector on its own, with a
+// scalar epilogue, took ~30 instructions a block per pair against ~8 here (by count): the 1.5B's
+// FFN gate at 8 input rows 0.84 ms before, 0.37 after on the Zen 5 (experiments/gguf_layers.py;
+// results/kernels/gguf_layers_q8_paths_zen5.log, gguf_layers_q8_tiles_zen5.log).
 
 // lane 4 c + p = the sum of chunk c (four 32-bit lanes) of v[p] (integers: exact in any order).
 Q8_TARGET inline __m512i sum_chunks4(const __m512i (&v)[4]) {
@@ -568,8 +567,8 @@ Q8Path path_named(const std::string& name) {
 
 // Output rows n0 .. n1 - 1 in tiles of 4 (single rows at the end), each against the input rows in
 // groups of up to 8: a tile's weights come from memory for the first group and from cache for the
-// others. (Tiles of 16 rows for one input row, lane r, timed slower than these over the 1.5B's
-// layers: 16 rows are 16 streams from memory.)
+// others. (Tiles of 16 rows for one input row, lane r, were tried: slower than these over the
+// 1.5B's layers in an unlogged timing, 16 rows being 16 streams from memory.)
 template <typename RowsFn>
 void q8_blocks(int64_t M, int64_t n0, int64_t n1, RowsFn&& rows_fn) {
   const auto groups = [&](auto nr, int64_t n) {
