@@ -79,6 +79,13 @@ DEVICES: dict[str, Device] = {
                "linears stream 3.09 GB in 70 ms at k=1 (44.1 GB/s) and do 16 x 3.09 GFLOP in 111 ms at k=16 "
                "(445 GFLOP/s); the forward minus its linears 2.1 ms at k=1; the loop's other work ~1 ms "
                "(experiments/loop_profile.py); a forward-free proposal assumed 0.15 ms", measured=True),
+    "zen3_epyc": Device(
+        "AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2 only", bandwidth=25.3e9, peak_flops=132e9,
+        forward_overhead_s=1.0e-3, layer_overhead_s=0.0, host_step_s=1.0e-3, lookup_s=1.5e-4, kv_bytes=4,
+        source="measured here: results/kernels/forward_cost_gguf_zen3.log (commit e3f296a): the 1.5B's native "
+               "linears stream 3.09 GB in 122 ms at k=1 (25.3 GB/s) and do 16 x 3.09 GFLOP in 375 ms at k=16 "
+               "(132 GFLOP/s); the forward minus its linears measured 0.1 ms at k=1, within the timings' noise, "
+               "taken as 1 ms; the loop's other work and a forward-free proposal assumed as on zen5_epyc", measured=True),
     "a100": _datasheet_gpu("NVIDIA A100 80GB SXM", 2.039e12, 312e12, forward_overhead_s=30e-6, layer_overhead_s=6e-6,
                            datasheet="NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense BF16"),
     "h100": _datasheet_gpu("NVIDIA H100 80GB SXM5", 3.35e12, 989e12, forward_overhead_s=25e-6, layer_overhead_s=5e-6,
