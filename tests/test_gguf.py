@@ -24,21 +24,28 @@ def _ext():
     return native_kernels()
 
 
+def _path_runs_here(path: str) -> bool:  # the exact kernel's paths (linear_gguf, dequantize_gguf)
+    return {"avx512": _ext().isa() == "avx512", "avx2": _ext().isa() != "none", "scalar": True}[path]
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("reference", [False, True], ids=["kernel_decode", "scalar_decode"])
-def test_weights_are_bitwise_the_gguf_reference(qtype, reference):
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_weights_are_bitwise_the_gguf_reference(qtype, path):
+    """Every decode this CPU runs (the AVX-512 and AVX2 kernels', the scalar one) gives the reference's bits."""
+    if not _path_runs_here(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
     rng = np.random.default_rng(int(qtype))
     k = 2 * gguf.GGML_QUANT_SIZES[qtype][0] * (4 if qtype in (T.Q4_1, T.Q5_0, T.Q8_0) else 1)
     blocks = random_blocks(qtype, 41, k, rng)
     expected = gguf.quants.dequantize(blocks, qtype)
-    got = _ext().dequantize_gguf(torch.from_numpy(blocks), int(qtype), k, reference=reference).numpy()
+    got = _ext().dequantize_gguf(torch.from_numpy(blocks), int(qtype), k, path=path).numpy()
     assert np.array_equal(_bits(got), _bits(expected))
     rows = torch.tensor([40, 0, 7, 7])  # a row subset, repeated, out of order (the embedding's lookup)
-    sub = _ext().dequantize_gguf(torch.from_numpy(blocks), int(qtype), k, rows=rows, reference=reference).numpy()
+    sub = _ext().dequantize_gguf(torch.from_numpy(blocks), int(qtype), k, rows=rows, path=path).numpy()
     assert np.array_equal(_bits(sub), _bits(expected[rows.numpy()]))
 
 
@@ -51,8 +58,8 @@ def test_every_fp16_scale_converts_exactly():
     blocks[:, :2] = halves.view(np.uint8).reshape(-1, 2)
     blocks[:, 2:] = np.array([-128, -1, 1, 127] * 8, dtype=np.int8).view(np.uint8)
     expected = gguf.quants.dequantize(blocks, T.Q8_0)
-    for reference in (False, True):
-        got = _ext().dequantize_gguf(torch.from_numpy(blocks), int(T.Q8_0), 32, reference=reference).numpy()
+    for path in filter(_path_runs_here, ("avx512", "avx2", "scalar")):
+        got = _ext().dequantize_gguf(torch.from_numpy(blocks), int(T.Q8_0), 32, path=path).numpy()
         assert np.array_equal(_bits(got), _bits(expected))
 
 
@@ -62,23 +69,26 @@ def _shape(qtype):
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-def test_products_within_the_fp32_bound_and_row_invariant(qtype):
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
+def test_products_within_the_fp32_bound_and_row_invariant(qtype, path):
+    if not _path_runs_here(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
     rng = np.random.default_rng(100 + int(qtype))
     k, n = _shape(qtype)
     blocks = random_blocks(qtype, n, k, rng)
     w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).double()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
     x = torch.randn(32, k, generator=torch.Generator().manual_seed(2))
-    y = _ext().linear_gguf(x, torch.from_numpy(blocks), int(qtype), n, bias)
+    y = _ext().linear_gguf(x, torch.from_numpy(blocks), int(qtype), n, bias, path=path)
     exact = x.double() @ w.T + bias.double()
     bound = fp32_sum_bound(k + 1) * ((x.double().abs() @ w.abs().T) + bias.double().abs())
     assert ((y.double() - exact).abs() <= bound).all()
     for m in range(1, 33):  # row i of an m-row call is bitwise the 1-row call
-        part = _ext().linear_gguf(x[:m], torch.from_numpy(blocks), int(qtype), n, bias)
+        part = _ext().linear_gguf(x[:m], torch.from_numpy(blocks), int(qtype), n, bias, path=path)
         assert torch.equal(part, y[:m]), m
     wide = torch.zeros(6, k + 5)  # rows k + 5 apart: read through the row stride
     wide[:, :k] = x[3:9]
-    assert torch.equal(_ext().linear_gguf(wide[:, :k], torch.from_numpy(blocks), int(qtype), n, bias), y[3:9])
+    assert torch.equal(_ext().linear_gguf(wide[:, :k], torch.from_numpy(blocks), int(qtype), n, bias, path=path), y[3:9])
 
 
 def test_errors_name_the_problem():
@@ -93,6 +103,10 @@ def test_errors_name_the_problem():
         _ext().linear_gguf(torch.zeros(1, 32, dtype=torch.float64), blocks, int(T.Q8_0), 4)
     with pytest.raises(RuntimeError, match="outside"):
         _ext().dequantize_gguf(blocks, int(T.Q8_0), 32, rows=torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="unknown path 'scalar'"):  # no scalar product kernel
+        _ext().linear_gguf(torch.zeros(1, 32), torch.zeros(4, 34, dtype=torch.uint8), int(T.Q8_0), 4, path="scalar")
+    with pytest.raises(RuntimeError, match="unknown path 'avx3'"):
+        _ext().dequantize_gguf(blocks, int(T.Q8_0), 32, path="avx3")
 
 
 # ---- tiny GGUF models ----------------------------------------------------------------------------

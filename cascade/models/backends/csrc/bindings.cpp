@@ -62,11 +62,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8_vnni", &linear_int8_vnni, "y = (xq @ Q^T) * sx * scale (+ bias), activations quantized per row",
         py::arg("x"), py::arg("packed"), py::arg("colsum"), py::arg("scale"), py::arg("n"), py::arg("bias") = py::none());
   m.def("linear_gguf", &linear_gguf, "y = x @ W^T (+ bias), W a GGUF file's blocks [N, K / QK * bytes] of type qtype, "
-        "each weight dequantized exactly as the gguf reference, fp32 sums", py::arg("x"), py::arg("blocks"), py::arg("qtype"),
-        py::arg("n"), py::arg("bias") = py::none());
-  m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF block tensor as fp32 (the kernel's decode; reference=True: "
-        "the scalar decode)", py::arg("blocks"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none(),
-        py::arg("reference") = false);
+        "each weight dequantized exactly as the gguf reference, fp32 sums; path: auto (this CPU's fastest), avx512 or avx2",
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("n"), py::arg("bias") = py::none(), py::arg("path") = "auto");
+  m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF block tensor as fp32 by a path's decode: auto (the kernel's "
+        "on this CPU), avx512, avx2 or scalar (the reference's operations one weight at a time)", py::arg("blocks"),
+        py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none(), py::arg("path") = "auto");
   m.def("linear_gguf_q8", &linear_gguf_q8, "y = x @ W^T (+ bias) for Q4_K / Q6_K blocks with x quantized per 256 to int8: "
         "integer sums, a fixed fp32 epilogue per block; path: auto (this CPU's fastest), avx512_vnni, avx2 or scalar, "
         "the same bits", py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("n"), py::arg("bias") = py::none(),

@@ -12,8 +12,9 @@
 // the reference's operations, and the weights are gathered from it by their codes with one
 // permute per 16 weights (vpermps reads the code's low 4 bits; Q5_0's fifth bit selects the
 // second table through a mask). Q6_K (64 codes per 16-weight scale) and Q8_0 convert their codes
-// and multiply, as the reference does. AVX2: the block decoded into a buffer by the scalar
-// reference (below), then multiplied.
+// and multiply, as the reference does. AVX2: a block decoded 8 weights at a time (codes widened to
+// 32-bit lanes, converted, then the reference's multiply and add or subtract) into a buffer, then
+// multiplied; the scalar reference decode (below) ran at ~3 cycles a weight, 2% of the read bound.
 //
 // Row invariance: y[m, n] is two interleaved sequential FMA chains over k (16 lanes each on
 // AVX-512, 8 on AVX2), added lane-wise, reduced in a fixed order, then + bias: the same
@@ -35,13 +36,21 @@ namespace {
 // bit-level conversion runs once per 32-weight block in the legacy formats, on the hot path.
 #define GGUF_AVX512 __attribute__((target("avx512f,f16c")))
 
+#define GGUF_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// 8 bytes at p widened to 8 32-bit lanes (zero-extended).
+GGUF_AVX2 inline __m256i bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
 GGUF_AVX512 inline __m512 iota16() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-// Each format: QK weights per block of BYTES bytes; decode() the scalar reference (the AVX2 path
-// and the test oracle's twin, reading codes through gguf_blocks.h); on AVX-512, prepare() reads a block's scales once and group()
-// writes the block's weights GW * g .. GW * (g + 1) - 1 as GW / 16 vectors.
+// Each format: QK weights per block of BYTES bytes; decode() the scalar reference (the test
+// oracle's twin, reading codes through gguf_blocks.h); decode_avx2() the same operations 8 lanes
+// wide; on AVX-512, prepare() reads a block's scales once and group() writes the block's weights
+// GW * g .. GW * (g + 1) - 1 as GW / 16 vectors.
 
 struct Q4_1 {
   static constexpr int QK = 32, BYTES = 20, GW = 32;
@@ -50,6 +59,15 @@ struct Q4_1 {
     for (int i = 0; i < 16; ++i) {
       w[i] = d * static_cast<float>(b[4 + i] & 0xF) + m;
       w[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
+    }
+  }
+  GGUF_AVX2 static void decode_avx2(const uint8_t* b, float* w) {
+    const __m256 d = _mm256_set1_ps(f16_hw(b)), m = _mm256_set1_ps(f16_hw(b + 2));
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i c = bytes8(b + 4 + 8 * h);
+      _mm256_storeu_ps(w + 8 * h, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(c, low4))), m));
+      _mm256_storeu_ps(w + 16 + 8 * h, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4))), m));
     }
   }
   struct Prep {
@@ -77,6 +95,22 @@ struct Q5_0 {
       w[i + 16] = d * static_cast<float>(hi - 16);
     }
   }
+  GGUF_AVX2 static void decode_avx2(const uint8_t* b, float* w) {
+    const __m256 d = _mm256_set1_ps(f16_hw(b));
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, sizeof qh);
+    const __m256i bits = _mm256_set1_epi32(static_cast<int>(qh)), iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i one = _mm256_set1_epi32(1), low4 = _mm256_set1_epi32(0xF), sixteen = _mm256_set1_epi32(16);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i c = bytes8(b + 6 + 8 * h);
+      const __m256i lo_bit = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(iota, _mm256_set1_epi32(8 * h))), one);
+      const __m256i hi_bit = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(iota, _mm256_set1_epi32(8 * h + 16))), one);
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_slli_epi32(lo_bit, 4));
+      const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(hi_bit, 4));
+      _mm256_storeu_ps(w + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, sixteen))));
+      _mm256_storeu_ps(w + 16 + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, sixteen))));
+    }
+  }
   struct Prep {
     __m512 low, high;  // the codes 0-15 and 16-31: d * (c - 16)
     uint32_t qh;
@@ -101,6 +135,13 @@ struct Q8_0 {
     const float d = f16_at(b);
     for (int i = 0; i < 32; ++i) w[i] = static_cast<float>(static_cast<int8_t>(b[2 + i])) * d;
   }
+  GGUF_AVX2 static void decode_avx2(const uint8_t* b, float* w) {
+    const __m256 d = _mm256_set1_ps(f16_hw(b));
+    for (int v = 0; v < 4; ++v) {
+      const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * v)));
+      _mm256_storeu_ps(w + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+    }
+  }
   struct Prep {
     __m512 d;
   };
@@ -121,6 +162,20 @@ struct Q4_K {
     for (int j = 0; j < 8; ++j) {
       const float scale = d * static_cast<float>(u.byte(j)), offset = dmin * static_cast<float>(u.byte(8 + j));
       for (int i = 0; i < 32; ++i) w[32 * j + i] = scale * static_cast<float>(q4k_code(b, 32 * j + i)) - offset;
+    }
+  }
+  GGUF_AVX2 static void decode_avx2(const uint8_t* b, float* w) {
+    const float d = f16_hw(b), dmin = f16_hw(b + 2);
+    const ScalesMins u = q4k_scales_mins(b + 4);
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    for (int j = 0; j < 8; ++j) {
+      const __m256 scale = _mm256_set1_ps(d * static_cast<float>(u.byte(j)));
+      const __m256 offset = _mm256_set1_ps(dmin * static_cast<float>(u.byte(8 + j)));
+      const uint8_t* q = b + 16 + 32 * (j / 2);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i c = bytes8(q + 8 * g), code = j % 2 ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, low4);
+        _mm256_storeu_ps(w + 32 * j + 8 * g, _mm256_sub_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(code)), offset));
+      }
     }
   }
   // The 8 scales d * sc and 8 offsets dmin * m as one 16-lane product (llama.cpp's unpacking of
@@ -166,6 +221,23 @@ struct Q6_K {
       const float scale = d * static_cast<float>(sc[j]);
       for (int i = 0; i < 16; ++i) w[16 * j + i] = scale * static_cast<float>(q6k_code(b, 16 * j + i) - 32);
     }
+  }
+  // Weights k = 128 h + 32 t + i, 8 at a time: q6k_code's shifts and masks on 32-bit lanes.
+  GGUF_AVX2 static void decode_avx2(const uint8_t* b, float* w) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16_hw(b + 208);
+    const __m256i low4 = _mm256_set1_epi32(0xF), low2 = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 4; ++t) {
+        const __m128i low_shift = _mm_cvtsi32_si128(4 * (t >> 1)), high_shift = _mm_cvtsi32_si128(2 * t);
+        for (int i = 0; i < 32; i += 8) {
+          const int k = 128 * h + 32 * t + i;
+          const __m256i low = _mm256_and_si256(_mm256_srl_epi32(bytes8(b + 64 * h + 32 * (t & 1) + i), low_shift), low4);
+          const __m256i high = _mm256_and_si256(_mm256_srl_epi32(bytes8(b + 128 + 32 * h + i), high_shift), low2);
+          const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), bias);
+          _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_set1_ps(d * static_cast<float>(sc[k / 16])), _mm256_cvtepi32_ps(q)));
+        }
+      }
   }
   struct Prep {
     alignas(64) float scale[16];
@@ -227,16 +299,16 @@ GGUF_AVX512 void gguf_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
     }
 }
 
-// AVX2: each block decoded by the scalar reference into a buffer, then 8-lane FMA chains.
+// AVX2: each block decoded into a buffer (decode_avx2), then 8-lane FMA chains.
 template <typename F, int MR>
-__attribute__((target("avx2,fma"))) void gguf_rows_avx2(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
+GGUF_AVX2 void gguf_rows_avx2(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
                                                          const float* bias, float* y, int64_t ldy) {
   alignas(64) float buf[F::QK];
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < K / F::QK; ++blk) {
     prefetch_ahead(w + blk * F::BYTES);
-    F::decode(w + blk * F::BYTES, buf);
+    F::decode_avx2(w + blk * F::BYTES, buf);
     const float* xk = x + blk * F::QK;
     for (int m = 0; m < MR; ++m)
       for (int i = 0; i < F::QK; i += 16) {
@@ -273,10 +345,24 @@ constexpr int gguf_mr() { return F::GW > 64 ? 4 : 8; }
 
 // Output rows n0 .. n1 - 1 of an M-row call: on AVX-512 four output rows side by side for one
 // input row (8 FMA chains), two for two to four, one from five (>= 8 chains each).
+// The paths: AVX-512 and AVX2 kernels (both from a block's bytes, the same weights bitwise; the
+// sums' lane counts differ, so their bits differ), and the scalar decode (dequantize_gguf only).
+enum class GgufPath { avx512, avx2, scalar };
+
+// "auto" is this CPU's fastest kernel; a named path this CPU cannot run is an error.
+GgufPath gguf_path_named(const char* op, const std::string& name, bool scalar_allowed) {
+  if (name == "auto") return isa() == Isa::avx512 ? GgufPath::avx512 : GgufPath::avx2;
+  TORCH_CHECK(name == "avx512" || name == "avx2" || (scalar_allowed && name == "scalar"), op, ": unknown path '", name,
+              "' (auto, avx512, avx2", scalar_allowed ? ", scalar)" : ")");
+  const GgufPath path = name == "avx512" ? GgufPath::avx512 : name == "avx2" ? GgufPath::avx2 : GgufPath::scalar;
+  TORCH_CHECK(path != GgufPath::avx512 || isa() == Isa::avx512, op, ": this CPU has no AVX-512");
+  return path;
+}
+
 template <typename F>
 void gguf_range(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, const float* bias,
-                float* y, int64_t N, int64_t n0, int64_t n1) {
-  if (isa() == Isa::avx512) {
+                float* y, int64_t N, int64_t n0, int64_t n1, GgufPath path) {
+  if (path == GgufPath::avx512) {
     constexpr int MRMAX = gguf_mr<F>();
     const int64_t blocks = (M + MRMAX - 1) / MRMAX, mr = (M + blocks - 1) / blocks;
     run_rows(M, static_cast<int>(mr), [&](int64_t r0, int rows) {
@@ -335,8 +421,9 @@ int64_t gguf_block_bytes(int64_t qtype) {
 }
 
 torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
-                          const c10::optional<torch::Tensor>& bias) {
+                          const c10::optional<torch::Tensor>& bias, const std::string& path) {
   TORCH_CHECK(isa() != Isa::none, "cascade native kernels need AVX2 + FMA + F16C or AVX-512");
+  const GgufPath which = gguf_path_named("linear_gguf", path, false);
   expect(x, "linear_gguf", "x", torch::kFloat32, Layout::unit_inner);
   TORCH_CHECK(x.dim() == 2, "linear_gguf: x must be 2-D [M, K]");
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == N, "linear_gguf: blocks must be [N, row bytes] with N = ", N);
@@ -351,13 +438,14 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& blocks, i
     const float* bp = bias ? bias->data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
     const int64_t row_bytes = blocks.size(1);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gguf_range<F>(xp, ldx, M, wp, row_bytes, K, bp, yp, N, n0, n1); });
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { gguf_range<F>(xp, ldx, M, wp, row_bytes, K, bp, yp, N, n0, n1, which); });
   });
   return y;
 }
 
 torch::Tensor dequantize_gguf(const torch::Tensor& blocks, int64_t qtype, int64_t K, const c10::optional<torch::Tensor>& rows,
-                              bool reference) {
+                              const std::string& path) {
+  const GgufPath which = isa() == Isa::none ? GgufPath::scalar : gguf_path_named("dequantize_gguf", path, true);
   return with_format(qtype, [&](auto f) {
     using F = decltype(f);
     check_blocks<F>("dequantize_gguf", blocks, K);
@@ -370,13 +458,13 @@ torch::Tensor dequantize_gguf(const torch::Tensor& blocks, int64_t qtype, int64_
     const uint8_t* wp = blocks.data_ptr<uint8_t>();
     float* op = out.data_ptr<float>();
     const int64_t row_bytes = blocks.size(1);
-    const bool vector = !reference && isa() == Isa::avx512;
     at::parallel_for(0, index.numel(), 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t blk = 0; blk < K / F::QK; ++blk) {
           const uint8_t* b = wp + ip[r] * row_bytes + blk * F::BYTES;
           float* dst = op + r * K + blk * F::QK;
-          if (vector) decode_avx512<F>(b, dst);
+          if (which == GgufPath::avx512) decode_avx512<F>(b, dst);
+          else if (which == GgufPath::avx2) F::decode_avx2(b, dst);
           else F::decode(b, dst);
         }
     });

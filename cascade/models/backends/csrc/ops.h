@@ -24,9 +24,9 @@ std::string int8_dot_isa();
 // gguf.cpp: W held as a GGUF file's blocks ([N, K / QK * bytes] uint8), each weight dequantized
 // exactly as the reference does, fp32 sums
 torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
-                          const c10::optional<torch::Tensor>& bias);
+                          const c10::optional<torch::Tensor>& bias, const std::string& path = "auto");
 torch::Tensor dequantize_gguf(const torch::Tensor& blocks, int64_t qtype, int64_t K, const c10::optional<torch::Tensor>& rows,
-                              bool reference);
+                              const std::string& path = "auto");
 int64_t gguf_block_weights(int64_t qtype);
 // gguf_q8.cpp: Q4_K / Q6_K blocks times activations quantized per 256 to int8, integer sums
 torch::Tensor linear_gguf_q8(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, int64_t N,
