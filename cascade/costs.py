@@ -47,7 +47,9 @@ class Device:
     a published GPU: the datasheet figure times an achievable fraction stated in ``source``);
     overheads are per forward call and per decoder layer of it (kernel launches, framework);
     ``host_step_s`` the decode loop's own work per step (acceptance, bookkeeping) and
-    ``lookup_s`` one forward-free proposal (n-gram, Token Recycling) on the host."""
+    ``lookup_s`` one forward-free proposal (n-gram, Token Recycling) on the host. ``overlap``: the
+    forward's weight reads and arithmetic overlap (its time the larger of the two) or add (read
+    off a measured curve that rises from the first extra input: the sum)."""
 
     name: str
     bandwidth: float  # bytes / s a forward streams weights at
@@ -59,6 +61,7 @@ class Device:
     kv_bytes: int  # bytes per cached key / value element (fp32 caches on the CPU backends, bf16 on GPUs)
     source: str
     measured: bool  # True: constants measured on such a machine here; False: from public specifications
+    overlap: bool = True  # True: t = max(reads, arithmetic); False: t = reads + arithmetic
 
 
 def _datasheet_gpu(name: str, bandwidth: float, peak_flops: float, forward_overhead_s: float, layer_overhead_s: float,
@@ -80,12 +83,15 @@ DEVICES: dict[str, Device] = {
                "(445 GFLOP/s); the forward minus its linears 2.1 ms at k=1; the loop's other work ~1 ms "
                "(experiments/loop_profile.py); a forward-free proposal assumed 0.15 ms", measured=True),
     "zen3_epyc": Device(
-        "AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2 only", bandwidth=25.3e9, peak_flops=132e9,
+        "AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2 only", bandwidth=29.4e9, peak_flops=183e9,
         forward_overhead_s=1.0e-3, layer_overhead_s=0.0, host_step_s=1.0e-3, lookup_s=1.5e-4, kv_bytes=4,
         source="measured here: results/kernels/forward_cost_gguf_zen3.log (commit e3f296a): the 1.5B's native "
-               "linears stream 3.09 GB in 122 ms at k=1 (25.3 GB/s) and do 16 x 3.09 GFLOP in 375 ms at k=16 "
-               "(132 GFLOP/s); the forward minus its linears measured 0.1 ms at k=1, within the timings' noise, "
-               "taken as 1 ms; the loop's other work and a forward-free proposal assumed as on zen5_epyc", measured=True),
+               "linears take 122 ms at k=1 and 375 ms at k=16 and rise from k=2 on (118, 173, 189, 258 ms at "
+               "k=2, 4, 6, 8): reads and arithmetic add, they do not overlap; the line through k=1 and k=16 is "
+               "16.9 ms per input (3.09 GFLOP: 183 GFLOP/s) plus 105 ms (3.09 GB: 29.4 GB/s; the read probe "
+               "30.0 GB/s); the forward minus its linears measured 0.1 ms at k=1, within the timings' noise, "
+               "taken as 1 ms; the loop's other work and a forward-free proposal assumed as on zen5_epyc",
+        measured=True, overlap=False),
     "a100": _datasheet_gpu("NVIDIA A100 80GB SXM", 2.039e12, 312e12, forward_overhead_s=30e-6, layer_overhead_s=6e-6,
                            datasheet="NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense BF16"),
     "h100": _datasheet_gpu("NVIDIA H100 80GB SXM5", 3.35e12, 989e12, forward_overhead_s=25e-6, layer_overhead_s=5e-6,
@@ -127,7 +133,8 @@ class ForwardShape:
         """Roofline time of one forward of ``inputs`` inputs over ``context`` cached positions."""
         kv = self.kv_values_per_position * (context + inputs) * device.kv_bytes
         flops = inputs * (2.0 * self.weight_count + self.attention_flops_per_position * (context + inputs))
-        work = max((self.weight_bytes + kv) / device.bandwidth, flops / device.peak_flops)
+        reads, arithmetic = (self.weight_bytes + kv) / device.bandwidth, flops / device.peak_flops
+        work = max(reads, arithmetic) if device.overlap else reads + arithmetic
         return device.forward_overhead_s + device.layer_overhead_s * self.layers + work
 
 

@@ -2,6 +2,7 @@
 pure functions (cascade/trees/guard.py); the roofline check and the calibration table of
 analysis/ on a virtual-clock run."""
 
+import dataclasses
 import math
 
 import pytest
@@ -41,6 +42,9 @@ def test_roofline_is_bandwidth_then_compute_bound():
     assert t[0] == pytest.approx(overhead + 1e-3)  # 1 MB at 1 GB/s
     assert t[2] == pytest.approx(overhead + 1e-3)  # 5 inputs x 2e5 FLOP = 1e6 FLOP: still the bytes
     assert t[3] == pytest.approx(overhead + 2e-3) and t[4] == pytest.approx(overhead + 4e-3)  # compute-bound
+    additive = dataclasses.replace(DEV, overlap=False)  # reads and arithmetic add (zen3_epyc's measured curve)
+    t = [shape.seconds(additive, n, 0) for n in (1, 5, 10)]
+    assert t == [pytest.approx(overhead + 1e-3 + n * 2e-4) for n in (1, 5, 10)]
 
 
 def test_shapes_count_the_bytes_as_loaded():
