@@ -74,24 +74,33 @@ def _datasheet_gpu(name: str, bandwidth: float, peak_flops: float, forward_overh
                          f"CUDA-graph decoding (about {layer_overhead_s * 1e6:.0f} us per layer)", measured=False)
 
 
+def _measured_cpu(name: str, bandwidth: float, peak_flops: float, forward_overhead_s: float, source: str,
+                  overlap: bool = True) -> Device:
+    """A CPU measured here (the 1.5B's native forward): no per-layer overhead beyond the forward's,
+    the loop's other work ~1 ms a step and a forward-free proposal 0.15 ms (measured on the Zen 5
+    EPYC, experiments/loop_profile.py; assumed on the others), fp32 caches."""
+    return Device(name, bandwidth=bandwidth, peak_flops=peak_flops, forward_overhead_s=forward_overhead_s,
+                  layer_overhead_s=0.0, host_step_s=1.0e-3, lookup_s=1.5e-4, kv_bytes=4, source=source, measured=True,
+                  overlap=overlap)
+
+
 DEVICES: dict[str, Device] = {
-    "zen5_epyc": Device(
-        "AMD EPYC Zen 5 (family 26 model 2), 2 cores", bandwidth=44.1e9, peak_flops=445e9,
-        forward_overhead_s=2.1e-3, layer_overhead_s=0.0, host_step_s=1.0e-3, lookup_s=1.5e-4, kv_bytes=4,
+    "zen5_epyc": _measured_cpu(
+        "AMD EPYC Zen 5 (family 26 model 2), 2 cores", bandwidth=44.1e9, peak_flops=445e9, forward_overhead_s=2.1e-3,
         source="measured here: results/kernels/forward_cost_1.5b_zen5.log (commit ca9ab6c): the 1.5B's native "
                "linears stream 3.09 GB in 70 ms at k=1 (44.1 GB/s) and do 16 x 3.09 GFLOP in 111 ms at k=16 "
                "(445 GFLOP/s); the forward minus its linears 2.1 ms at k=1; the loop's other work ~1 ms "
-               "(experiments/loop_profile.py); a forward-free proposal assumed 0.15 ms", measured=True),
-    "zen3_epyc": Device(
+               "(experiments/loop_profile.py); a forward-free proposal assumed 0.15 ms"),
+    "zen3_epyc": _measured_cpu(
         "AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2 only", bandwidth=29.4e9, peak_flops=183e9,
-        forward_overhead_s=1.0e-3, layer_overhead_s=0.0, host_step_s=1.0e-3, lookup_s=1.5e-4, kv_bytes=4,
+        forward_overhead_s=1.0e-3,
         source="measured here: results/kernels/forward_cost_gguf_zen3.log (commit e3f296a): the 1.5B's native "
                "linears take 122 ms at k=1 and 375 ms at k=16 and rise from k=2 on (118, 173, 189, 258 ms at "
                "k=2, 4, 6, 8): reads and arithmetic add, they do not overlap; the line through k=1 and k=16 is "
                "16.9 ms per input (3.09 GFLOP: 183 GFLOP/s) plus 105 ms (3.09 GB: 29.4 GB/s; the read probe "
                "30.0 GB/s); the forward minus its linears measured 0.1 ms at k=1, within the timings' noise, "
                "taken as 1 ms; the loop's other work and a forward-free proposal assumed as on zen5_epyc",
-        measured=True, overlap=False),
+        overlap=False),
     "a100": _datasheet_gpu("NVIDIA A100 80GB SXM", 2.039e12, 312e12, forward_overhead_s=30e-6, layer_overhead_s=6e-6,
                            datasheet="NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s dense BF16"),
     "h100": _datasheet_gpu("NVIDIA H100 80GB SXM5", 3.35e12, 989e12, forward_overhead_s=25e-6, layer_overhead_s=5e-6,
