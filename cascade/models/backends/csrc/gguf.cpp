@@ -301,8 +301,8 @@ GGUF_AVX512 void gguf_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
 
 // AVX2: each block decoded into a buffer (decode_avx2), then 8-lane FMA chains.
 template <typename F, int MR>
-GGUF_AVX2 void gguf_rows_avx2(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
-                                                         const float* bias, float* y, int64_t ldy) {
+GGUF_AVX2 void gguf_rows_avx2(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* bias, float* y,
+                              int64_t ldy) {
   alignas(64) float buf[F::QK];
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -343,22 +343,24 @@ constexpr int GGUF_MR_AVX2 = 4;
 template <typename F>
 constexpr int gguf_mr() { return F::GW > 64 ? 4 : 8; }
 
-// Output rows n0 .. n1 - 1 of an M-row call: on AVX-512 four output rows side by side for one
-// input row (8 FMA chains), two for two to four, one from five (>= 8 chains each).
 // The paths: AVX-512 and AVX2 kernels (both from a block's bytes, the same weights bitwise; the
 // sums' lane counts differ, so their bits differ), and the scalar decode (dequantize_gguf only).
 enum class GgufPath { avx512, avx2, scalar };
 
-// "auto" is this CPU's fastest kernel; a named path this CPU cannot run is an error.
+// "auto" is this CPU's fastest (the scalar decode without AVX2); a named path this CPU cannot run
+// is an error.
 GgufPath gguf_path_named(const char* op, const std::string& name, bool scalar_allowed) {
-  if (name == "auto") return isa() == Isa::avx512 ? GgufPath::avx512 : GgufPath::avx2;
+  if (name == "auto") return isa() == Isa::avx512 ? GgufPath::avx512 : isa() == Isa::avx2 ? GgufPath::avx2 : GgufPath::scalar;
   TORCH_CHECK(name == "avx512" || name == "avx2" || (scalar_allowed && name == "scalar"), op, ": unknown path '", name,
               "' (auto, avx512, avx2", scalar_allowed ? ", scalar)" : ")");
   const GgufPath path = name == "avx512" ? GgufPath::avx512 : name == "avx2" ? GgufPath::avx2 : GgufPath::scalar;
   TORCH_CHECK(path != GgufPath::avx512 || isa() == Isa::avx512, op, ": this CPU has no AVX-512");
+  TORCH_CHECK(path != GgufPath::avx2 || isa() != Isa::none, op, ": this CPU has no AVX2");
   return path;
 }
 
+// Output rows n0 .. n1 - 1 of an M-row call: on AVX-512 four output rows side by side for one
+// input row (8 FMA chains), two for two to four, one from five (>= 8 chains each).
 template <typename F>
 void gguf_range(const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, const float* bias,
                 float* y, int64_t N, int64_t n0, int64_t n1, GgufPath path) {
@@ -445,7 +447,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& blocks, i
 
 torch::Tensor dequantize_gguf(const torch::Tensor& blocks, int64_t qtype, int64_t K, const c10::optional<torch::Tensor>& rows,
                               const std::string& path) {
-  const GgufPath which = isa() == Isa::none ? GgufPath::scalar : gguf_path_named("dequantize_gguf", path, true);
+  const GgufPath which = gguf_path_named("dequantize_gguf", path, true);
   return with_format(qtype, [&](auto f) {
     using F = decltype(f);
     check_blocks<F>("dequantize_gguf", blocks, K);
