@@ -24,8 +24,11 @@ def _ext():
     return native_kernels()
 
 
-def _path_runs_here(path: str) -> bool:  # the exact kernel's paths (linear_gguf, dequantize_gguf)
-    return {"avx512": _ext().isa() == "avx512", "avx2": _ext().isa() != "none", "scalar": True}[path]
+def _path_runs_here(path: str) -> bool:
+    """Whether this CPU runs a kernel path: avx512 / avx2 / scalar (linear_gguf, dequantize_gguf),
+    avx512_vnni / avx2 / scalar (linear_gguf_q8)."""
+    return {"avx512_vnni": _ext().has_vnni(), "avx512": _ext().isa() == "avx512", "avx2": _ext().isa() != "none",
+            "scalar": True}[path]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -258,15 +261,11 @@ def _q8_reference(x: np.ndarray, blocks: np.ndarray, qtype, bias: np.ndarray | N
     return y
 
 
-def _q8_path_runs_here(path: str) -> bool:
-    return {"avx512_vnni": _ext().has_vnni(), "avx2": _ext().isa() != "none", "scalar": True}[path]
-
-
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("path", ["avx512_vnni", "avx2", "scalar"])
 def test_int8_activation_kernel_is_bitwise_its_integer_reference(qtype, path):
     """Every path this CPU runs (AVX-512 VNNI, AVX2 maddubs, scalar) gives the integer reference's bits."""
-    if not _q8_path_runs_here(path):
+    if not _path_runs_here(path):
         pytest.skip(f"this CPU cannot run the {path} path")
     rng = np.random.default_rng(7 + int(qtype))
     k, n = 3 * 256, 37
