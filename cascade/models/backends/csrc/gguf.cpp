@@ -14,7 +14,8 @@
 // second table through a mask). Q6_K (64 codes per 16-weight scale) and Q8_0 convert their codes
 // and multiply, as the reference does. AVX2: a block decoded 8 weights at a time (codes widened to
 // 32-bit lanes, converted, then the reference's multiply and add or subtract) into a buffer, then
-// multiplied; the scalar reference decode (below) ran at ~3 cycles a weight, 2% of the read bound.
+// multiplied; with the scalar reference decode (below) a 1.5B step took 1.6 s on an AVX2-only EPYC,
+// 2% of the read bound (results/kernels/forward_cost_gguf_zen3.log).
 //
 // Row invariance: y[m, n] is two interleaved sequential FMA chains over k (16 lanes each on
 // AVX-512, 8 on AVX2), added lane-wise, reduced in a fixed order, then + bias: the same
