@@ -121,6 +121,48 @@ def test_dytc_keeps_trees_that_pay(setup):
     assert tree_rate is not None and chain_rate is not None and tree_rate >= chain_rate
 
 
+def _no_tree_levels(*args):
+    raise AssertionError("the named chain was drafted with tree levels, not the chain's own forwards")
+
+
+def test_chain_and_tree_modes_hand_the_drafter_cache_over(tiny_target):
+    """Steps alternate between the named chain (the drafter's chain path: its cache then holds the
+    drafted tokens, synced by prefix) and trees (tree levels, compacted to the accepted path), in
+    every order: the output is greedy decoding's and every chain step drafts what the chain
+    drafter drafts after the same context."""
+    import random
+
+    drafter_lm = perturbed_copy(tiny_target, noise=0.02, seed=3)
+    reference = SmallLMDrafter(drafter_lm, k=8, stop_below=0.4)
+    for seed in range(3):
+        policy = DynamicTreePolicy(chain_stop_below=0.4, chain_k=8, max_depth=10, max_nodes=12, measure_costs=False)
+        dytc = TreeDrafter([SmallLMDrafter(drafter_lm, k=1)], policy)
+        pick, modes = random.Random(seed), []
+        policy.realised.next_mode = lambda: modes.append(pick.choice(("chain", "tree"))) or modes[-1]
+        for prompt in PROMPTS:
+            modes.clear()
+            want = generate(tiny_target, prompt, max_new_tokens=24, stop_on_eos=False)
+            got = generate(tiny_target, prompt, drafter=dytc, max_new_tokens=24, stop_on_eos=False)
+            assert got.tokens == want.tokens
+            assert set(modes) == {"chain", "tree"}
+            context, grown = list(prompt), iter(modes)
+            for s in got.steps:
+                budget = 24 - (len(context) - len(prompt)) - 1  # a step with no room to draft grows no tree
+                if budget > 0 and next(grown) == "chain":
+                    assert s.draft_tokens == _chain_after(tiny_target, reference, context, budget)
+                context += s.emitted_tokens
+            assert next(grown, None) is None
+
+
+def _chain_after(target, chain: SmallLMDrafter, context: list[int], budget: int) -> list[int]:
+    """What ``chain`` drafts after ``context`` from a fresh start (its own cache, nothing reused)."""
+    from cascade.drafters.base import DraftStart
+    from cascade.types import SamplingConfig
+
+    chain.start(DraftStart(target, target.new_cache(), list(context), SamplingConfig(), None, None))
+    return chain.propose(context, budget).tokens.tolist()
+
+
 def test_chain_mode_drafts_the_named_chain_itself(tiny_target):
     """With ``chain_stop_below``, DyTC's chain mode is the chain LMDrafter(k=chain_k,
     stop_below=chain_stop_below) drafts: step by step the same drafted tokens (greedy, float64),
@@ -133,6 +175,7 @@ def test_chain_mode_drafts_the_named_chain_itself(tiny_target):
         policy = DynamicTreePolicy(chain_stop_below=stop, chain_k=k, max_depth=10, measure_costs=False)
         dytc = TreeDrafter([SmallLMDrafter(drafter_lm, k=1)], policy)
         policy.realised.next_mode = lambda: "chain"  # every step in chain mode
+        dytc.drafters[0].tree_level = _no_tree_levels  # ... drafted on the chain's own path
         for prompt in PROMPTS:
             want = generate(tiny_target, prompt, drafter=chain, max_new_tokens=24, stop_on_eos=False)
             got = generate(tiny_target, prompt, drafter=dytc, max_new_tokens=24, stop_on_eos=False)

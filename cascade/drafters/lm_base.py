@@ -26,6 +26,10 @@ forward per tree depth over every node expanded at that depth:
     tree_end()                                    drop what must not outlive the draft
     tree_commit(path)                             after verification: keep the accepted path
 
+and a tree policy that drafts a chain asks for the chain drafter's own path instead
+(``chain_steps``: ``_start_draft``, then ``_continue`` per token, then ``_end_draft``): one-token
+forwards without tree positions or masks, the code and cost of ``propose``.
+
 A subclass provides ``_forward_nodes(tokens, positions, mask)``; ``tree_commit`` compacts the
 drafter's own cache to the accepted path with the compaction the target uses
 (``CausalLM.compact``); a drafter on the target's cache (layer skip) drops its nodes in
@@ -35,7 +39,7 @@ drafter's own cache to the accepted path with the compaction the target uses
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -191,6 +195,18 @@ class LMDrafter(Drafter, ChecksTarget):
             t.tokens.append(token)
         positions, mask = level_inputs(t.parents, t.base - 1, len(nodes), self.model.dtype)
         return self._forward_nodes(list(tokens), positions.to(self.model.device), mask.to(self.model.device))
+
+    def chain_steps(self, context: list[int]) -> Generator[torch.Tensor, int, None]:
+        """The chain path of ``propose`` as a coroutine: yields the logits [V] after ``context``,
+        then after each token sent to it; closing it ends the draft (``_end_draft``) and leaves
+        the drafter as ``propose`` does (the next draft syncs its cache to the context)."""
+        try:
+            logits = self._start_draft(context)
+            while True:
+                token = yield logits
+                logits = self._continue(token)
+        finally:
+            self._end_draft()
 
     def tree_fed(self, node: int) -> bool:
         """Whether tree node ``node`` (caller's id) is in the draft cache of the current tree."""

@@ -282,13 +282,15 @@ class DynamicTreePolicy(TreePolicy):
         return best.nodes
 
     def _grow(self, tree: Tree, calls: LevelCalls, budget: int, chain: bool) -> None:
+        if chain and self.chain_stop_below is not None and calls.deterministic(self.chain_drafter):
+            self._named_chain_path(tree, calls, min(self.chain_k, budget, self.max_nodes))
+            return
         exploring = self.explore > 0 and self.steps % self.explore == 0
         step = _StepValue()
         frontier = [-1]
-        deepest = self.chain_k if chain and self.chain_stop_below is not None else self.max_depth
-        for depth in range(1, min(deepest, budget) + 1):
+        named = chain and self.chain_stop_below is not None  # a sampled named chain: priced, one node per depth
+        for depth in range(1, min(self.chain_k if named else self.max_depth, budget) + 1):
             level: list[int] = []
-            named = chain and self.chain_stop_below is not None
             for i in [self.chain_drafter] if named else self._order(depth, len(calls.drafters)):
                 if len(tree.nodes) >= self.max_nodes or not frontier or (chain and level):
                     break
@@ -298,6 +300,21 @@ class DynamicTreePolicy(TreePolicy):
             frontier = level
             if not frontier:
                 break
+
+    def _named_chain_path(self, tree: Tree, calls: LevelCalls, n: int) -> None:
+        """Chain mode's named chain, drafted on the chain drafter's own chain path
+        (``LevelCalls.chain``): the drafts of ``LMDrafter(k=chain_k, stop_below=chain_stop_below)``
+        at that drafter's cost. Grown level by level instead (one-node tree levels with tree
+        positions and masks, and the pricing of every level) the same drafts cost 3-15% more per
+        step on the CPUs measured (docs/results.md), the margin DyTC lost to the chain by."""
+        if n < 1:
+            return
+        i, seen = self.chain_drafter, len(tree.timings)
+        parent = -1
+        for token, conf in calls.chain(tree, i, n, self.chain_stop_below):
+            reach = tree.reach(parent) * self.acceptance.confident(i, conf)
+            parent = tree.add(parent, drafter=i, rank=1, token=token, q=None, reach=reach, conf=conf)
+        self.prices.record(tree, seen)
 
     def _order(self, depth: int, drafters: int) -> list[int]:
         """The drafters by the α̂ of their first child at this depth, best first. In chain mode the
@@ -328,16 +345,6 @@ class DynamicTreePolicy(TreePolicy):
     def _ranks(self, turn: _Turn) -> int:
         return 1 if turn.chain else self.max_rank
 
-    def _named_chain(self, turn: _Turn) -> bool:
-        """Chain mode drafts the named chain (``chain_stop_below``) with this LM drafter's top tokens."""
-        return turn.chain and self.chain_stop_below is not None and turn.calls.deterministic(turn.drafter)
-
-    def _named_chain_goes_on(self, turn: _Turn, x: int) -> bool:
-        """The named chain drafts below ``x`` when ``x`` is the root or was at least ``chain_stop_below``
-        likely (a node without a confidence, a lookup's, goes on)."""
-        conf = None if x < 0 else turn.tree.nodes[x].conf
-        return conf is None or conf >= self.chain_stop_below
-
     def _lookup_level(self, turn: _Turn, by_reach: list[int]) -> list[int]:
         """A forward-free drafter proposes below the most reached nodes while it pays."""
         tree, i, added = turn.tree, turn.drafter, []
@@ -365,9 +372,7 @@ class DynamicTreePolicy(TreePolicy):
         spine = self.depth_rate == "spine"
         start = (turn.step.spine_gain, turn.step.spine_cost) if spine else (turn.step.gain, turn.step.cost)
         expand, trial = [], _StepValue(*start)
-        if self._named_chain(turn):
-            expand = [x for x in by_reach[:1] if self._named_chain_goes_on(turn, x)]
-        for x in [] if self._named_chain(turn) else by_reach[: 1 if turn.chain else self.max_nodes - len(tree.nodes)]:
+        for x in by_reach[: 1 if turn.chain else self.max_nodes - len(tree.nodes)]:
             width = len(expand) + 1 + extra
             gain = tree.reach(x) * alpha_first
             per_node = self._node(tree, len(expand))  # each expanded node's first child
@@ -396,7 +401,7 @@ class DynamicTreePolicy(TreePolicy):
         added = []
         for n, (gain, x, rank, token, conf) in enumerate(candidates):
             per_node = self._node(tree)
-            wanted = self._worth(gain, per_node, turn.step) or (turn.must_try and n == 0) or self._named_chain(turn)
+            wanted = self._worth(gain, per_node, turn.step) or (turn.must_try and n == 0)
             if len(tree.nodes) >= self.max_nodes or not wanted:
                 break
             if token in tree.taken.get(x, set()):

@@ -8,6 +8,9 @@ that prices calls learns from). ``LevelCalls`` is what a policy may ask of the d
 * ``forward(tree, i, expand)``: LM drafter i's next-token logits at every node of ``expand`` in
   **one** forward (``tree_start`` first when it has not started on this tree: the root's logits
   come with it; then ``tree_level`` with tree positions and the tree mask on its own cache);
+* ``chain(tree, i, n, stop_below)``: LM drafter i's greedy chain below the root on its chain
+  path (``LMDrafter.chain_steps``: one-token forwards, no tree mask; the drafts and the cost of
+  ``LMDrafter(k=n, stop_below=...)``), the drafter not started on the tree;
 * ``lookup(tree, i, node)``: a forward-free drafter's (n-gram, Token Recycling, suffix, a
   cascade) one proposal below ``node``;
 * ``ranked`` / ``sampled``: a node's children from logits: its top tokens (greedy, or a drafter
@@ -123,6 +126,29 @@ class LevelCalls:
         for r, j in enumerate(feed):
             out[j] = rows[r]
         return {x: out[x] for x in expand}
+
+    def chain(self, tree: Tree, i: int, n: int, stop_below: float) -> list[tuple[int, float]]:
+        """LM drafter i's argmax tokens below the root, up to ``n``, going on while each is at
+        least ``stop_below`` likely (the last one drafted may be less): (token, drafter
+        probability) per depth. One timed forward per token, as ``forward`` times its calls."""
+        d: LMDrafter = self.drafters[i]
+        steps = d.chain_steps(tree.context)
+        chain: list[tuple[int, float]] = []
+        try:
+            t0 = decode_clock()
+            logits = next(steps)  # [V]
+            while True:
+                tree.timings.append(CallTiming(i, 1, decode_clock() - t0))
+                tree.forwards += 1
+                probs = torch.softmax(logits.float(), -1)  # [V]
+                token = int(logits.argmax())
+                chain.append((token, float(probs[token])))
+                if len(chain) >= n or chain[-1][1] < stop_below:
+                    return chain
+                t0 = decode_clock()
+                logits = steps.send(token)
+        finally:
+            steps.close()
 
     def lookup(self, tree: Tree, i: int, node: int) -> tuple[int | None, torch.Tensor | None]:
         """A forward-free drafter's one proposal below ``node``: (token, q [V] or None)."""
