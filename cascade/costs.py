@@ -91,6 +91,13 @@ DEVICES: dict[str, Device] = {
                "linears stream 3.09 GB in 70 ms at k=1 (44.1 GB/s) and do 16 x 3.09 GFLOP in 111 ms at k=16 "
                "(445 GFLOP/s); the forward minus its linears 2.1 ms at k=1; the loop's other work ~1 ms "
                "(experiments/loop_profile.py); a forward-free proposal assumed 0.15 ms"),
+    "zen4_epyc": _measured_cpu(
+        "AMD EPYC Zen 4 (family 25 model 17), 2 cores", bandwidth=31.5e9, peak_flops=189e9, forward_overhead_s=5.0e-3,
+        source="measured here: results/kernels/forward_cost_zen4.log (commit c87cde7): the 1.5B's native linears "
+               "take 98, 102, 99, 112, 134, 262 ms at k=1, 2, 4, 6, 8, 16: flat to k=4, then arithmetic-bound "
+               "(reads and arithmetic overlap); 3.09 GB in 98 ms (31.5 GB/s; the read probe 32.1 GB/s) and "
+               "16 x 3.09 GFLOP in 262 ms (189 GFLOP/s); the forward minus its linears 5 ms at k=1 (103 - 98); "
+               "the loop's other work and a forward-free proposal assumed as on zen5_epyc"),
     "zen3_epyc": _measured_cpu(
         "AMD EPYC Zen 3 (family 25 model 1), 2 cores, AVX2 only", bandwidth=29.4e9, peak_flops=183e9,
         forward_overhead_s=1.0e-3,
