@@ -304,9 +304,8 @@ class DynamicTreePolicy(TreePolicy):
     def _named_chain_path(self, tree: Tree, calls: LevelCalls, n: int) -> None:
         """Chain mode's named chain, drafted on the chain drafter's own chain path
         (``LevelCalls.chain``): the drafts of ``LMDrafter(k=chain_k, stop_below=chain_stop_below)``
-        at that drafter's cost. Grown level by level instead (one-node tree levels with tree
-        positions and masks, and the pricing of every level) the same drafts cost 3-15% more per
-        step on the CPUs measured (docs/results.md), the margin DyTC lost to the chain by."""
+        on the chain's own code: the chain DyTC falls back to is that chain, its cost included
+        (not one-node tree levels with tree positions, masks and a pricing of every level)."""
         if n < 1:
             return
         i, seen = self.chain_drafter, len(tree.timings)
