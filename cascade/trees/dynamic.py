@@ -282,13 +282,13 @@ class DynamicTreePolicy(TreePolicy):
         return best.nodes
 
     def _grow(self, tree: Tree, calls: LevelCalls, budget: int, chain: bool) -> None:
-        if chain and self.chain_stop_below is not None and calls.deterministic(self.chain_drafter):
+        named = chain and self.chain_stop_below is not None
+        if named and calls.deterministic(self.chain_drafter):
             self._named_chain_path(tree, calls, min(self.chain_k, budget, self.max_nodes))
             return
         exploring = self.explore > 0 and self.steps % self.explore == 0
         step = _StepValue()
-        frontier = [-1]
-        named = chain and self.chain_stop_below is not None  # a sampled named chain: priced, one node per depth
+        frontier = [-1]  # below: a sampled named chain is priced, one node per depth
         for depth in range(1, min(self.chain_k if named else self.max_depth, budget) + 1):
             level: list[int] = []
             for i in [self.chain_drafter] if named else self._order(depth, len(calls.drafters)):
