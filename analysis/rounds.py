@@ -6,7 +6,9 @@ children (the first child of each parent: a chain's every node) and the siblings
 each with the fraction the target accepted; then, for the policies that predict acceptance
 (DyTC), predicted against accepted tokens per node kind (per drafter: first children, siblings
 by rank), over the nodes whose parent was accepted (the ones the target judged), and the share
-of rounds the policy verified one chain on purpose (its guard or its realised-outcome check).
+of rounds the policy verified one chain on purpose (its guard or its realised-outcome check);
+last, the same round decomposition per mode of those policies (the rounds drafted as one chain,
+the rounds drafted as a tree), with tokens per step of each: which mode's rounds fall short.
 
     python -m analysis.rounds RUN_DIR
 """
@@ -22,12 +24,14 @@ from cascade.results import load_jobs
 from cascade.tree_structure import children_of, depths_of
 
 
-def round_parts(steps: list[dict]) -> dict[str, dict[str, float]]:
-    """method -> mean seconds per round of verify / draft / accept / other, tokens per round and
-    inputs per verification (``[last] + draft``)."""
+def round_parts(steps: list[dict], key=lambda s: s["method"]) -> dict[str, dict[str, float]]:
+    """key (the method, unless told) -> mean seconds per round of verify / draft / accept / other,
+    tokens per round, inputs per verification (``[last] + draft``) and rounds; steps whose key is
+    None are left out."""
     by_method: dict[str, list[dict]] = defaultdict(list)
     for s in steps:
-        by_method[s["method"]].append(s)
+        if (k := key(s)) is not None:
+            by_method[k].append(s)
     out = {}
     for name, rows in by_method.items():
         accept = [r.get("accept_time_s") or 0.0 for r in rows]
@@ -38,8 +42,16 @@ def round_parts(steps: list[dict]) -> dict[str, dict[str, float]]:
             "other": statistics.mean(r["step_time_s"] - r["target_time_s"] - r["draft_time_s"] - a for r, a in zip(rows, accept)),
             "tokens": statistics.mean(r["emitted"] for r in rows),
             "inputs": statistics.mean(1 + r["drafted"] for r in rows),
+            "rounds": len(rows),
         }
     return out
+
+
+def mode_of(step: dict) -> str | None:
+    """"<method> [chain]" / "<method> [tree]" for a round of a policy that records which mode it
+    drafted in (DyTC), else None."""
+    shape = (step.get("tree") or {}).get("shape")
+    return f"{step['method']} [{shape}]" if shape else None
 
 
 def draft_shape(steps: list[dict]) -> dict[str, dict[str, float]]:
@@ -104,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         step = parts[base]["verify"] + parts[base]["draft"] + parts[base]["accept"] + parts[base]["other"]
         print(f"{job.dir}: one autoregressive step = {1000 * step:.1f} ms (the baseline's mean round)")
         print(f"{'method':16s} {'tokens':>7s} {'inputs':>7s} {'verify':>7s} {'draft':>7s} {'accept':>7s} {'other':>7s} "
-              f"{'round':>7s} {'decode':>7s} {'whole':>7s}")
+              f"{'round':>7s} {'decode':>7s} {'whole':>7s} {'tok/step':>8s}")
         for name, p in parts.items():
             total = p["verify"] + p["draft"] + p["accept"] + p["other"]
             method = job.summary.methods[name]
             decode = f"{decode_speedup(method.stats, job.summary.methods[base].stats):.2f}x"
             print(f"{name:16s} {p['tokens']:7.2f} {p['inputs']:7.2f} " + " ".join(
                 f"{p[k] / step:7.3f}" for k in ("verify", "draft", "accept", "other"))
-                + f" {total / step:7.3f} {decode:>7s} {method.speedup:6.2f}x")
+                + f" {total / step:7.3f} {decode:>7s} {method.speedup:6.2f}x {p['tokens'] * step / total:8.2f}")
         print(f"{'drafts':16s} {'rounds':>7s} {'nodes':>7s} {'depth':>7s} {'first':>7s} {'(acc)':>7s} {'sibling':>7s} {'(acc)':>7s}")
         for name, d in draft_shape(job.steps()).items():
             print(f"{name:16s} {d['rounds']:7d} {d['nodes']:7.2f} {d['depth']:7.2f} {d['first']:7.2f} "
@@ -126,6 +138,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {kind:34s} {k['judged']:7d} {k['predicted']:9.1f} {k['accepted']:8d} {ratio:>6s}")
             c = kinds["rounds as chains"]
             print(f"  rounds verified as one chain by choice: {c['accepted']} of {c['judged']}")
+        modes = round_parts(job.steps(), key=mode_of)
+        if modes:
+            print("per mode (in steps; tok/step = tokens per round over the round's time)")
+            print(f"{'mode':22s} {'rounds':>7s} {'tokens':>7s} {'inputs':>7s} {'verify':>7s} {'draft':>7s} {'round':>7s} "
+                  f"{'tok/step':>8s}")
+            for name, p in sorted(modes.items()):
+                total = (p["verify"] + p["draft"] + p["accept"] + p["other"]) / step
+                print(f"{name:22s} {p['rounds']:7d} {p['tokens']:7.2f} {p['inputs']:7.2f} {p['verify'] / step:7.3f} "
+                      f"{p['draft'] / step:7.3f} {total:7.3f} {p['tokens'] / total:8.2f}")
     return 0
 
 

@@ -209,6 +209,23 @@ def test_draft_shape_counts_first_children_and_siblings():
     assert shape["c"]["siblings"] == 0 and shape["c"]["depth"] == 3
 
 
+def test_round_parts_per_mode_split_a_policys_rounds_by_what_it_drafted():
+    """analysis.rounds' per-mode table: a policy's rounds keyed by the mode it recorded (chain /
+    tree), each mode's means over its own rounds; rounds of methods that record no mode left out."""
+    from analysis.rounds import mode_of, round_parts
+
+    def step(method, shape, emitted, target_s):
+        return {"method": method, "emitted": emitted, "drafted": 3, "target_time_s": target_s, "draft_time_s": 0.1,
+                "step_time_s": target_s + 0.1, "tree": {"shape": shape} if shape else None}
+
+    steps = [step("d", "chain", 4, 0.2), step("d", "tree", 2, 0.4), step("d", "chain", 2, 0.4), step("c", None, 4, 0.2)]
+    modes = round_parts(steps, key=mode_of)
+    assert set(modes) == {"d [chain]", "d [tree]"}
+    assert modes["d [chain]"]["rounds"] == 2 and modes["d [chain]"]["tokens"] == 3
+    assert modes["d [chain]"]["verify"] == pytest.approx(0.3) and modes["d [tree]"]["verify"] == pytest.approx(0.4)
+    assert round_parts(steps)["d"]["rounds"] == 3
+
+
 def test_markdown_table_of_a_run(sweep, capsys):
     """analysis.markdown: one row per method, the baseline at 1.00x with no range, a chain's τ,
     α and whole-call speedup as the summary holds them, greedy equality counted per prompt."""
