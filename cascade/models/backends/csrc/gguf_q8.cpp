@@ -61,7 +61,7 @@ inline const uint8_t* block_at(const uint8_t* w, int r, int64_t row_bytes, int64
   const uint8_t* blk = w + r * row_bytes + b * block_bytes;
   const int64_t nb = row_bytes / block_bytes, p = b + std::max<int64_t>(1, PREFETCH_BYTES / (NR * block_bytes));
   const uint8_t* ahead = w + (r + p / nb * NR) * row_bytes + (p % nb) * block_bytes;
-  for (int line = 0; line < block_bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  for (int line = 0; line < block_bytes; line += 64) prefetch_line(ahead + line);
   return blk;
 }
 

@@ -30,9 +30,15 @@ constexpr int NC = 32;  // columns per panel
 #define CASCADE_PREFETCH_BYTES 8192
 #endif
 constexpr int64_t PREFETCH_BYTES = CASCADE_PREFETCH_BYTES;  // -D override: experiments/linear_rows.py
-inline void prefetch_ahead(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
-}
+// Every software prefetch fills L2 (T1), not L1 (T0): a prefetch into L1 holds one of the core's
+// few L1 miss buffers until its line arrives, and a stream of them left the GGUF int8 kernel's
+// one-row calls waiting on memory: the 1.5B's Q4_K FFN layers at one input row 16 -> 35 GB/s of
+// their file bytes on a Zen 4 EPYC with T1 (docs/backends.md, "Prefetch and row blocks").
+#ifndef CASCADE_PREFETCH_HINT
+#define CASCADE_PREFETCH_HINT _MM_HINT_T1
+#endif
+inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), CASCADE_PREFETCH_HINT); }
+inline void prefetch_ahead(const void* p) { prefetch_line(static_cast<const char*>(p) + PREFETCH_BYTES); }
 
 // The int4 kernels' second stream: a group's 32 fp32 scales (two cache lines) per panel, read once
 // per G k, prefetched as far ahead, in groups, as the weights are (the 0.5B's int4 x int8 layers
@@ -40,8 +46,8 @@ inline void prefetch_ahead(const void* p) {
 // results/kernels/linear_revision_scale_prefetch.log).
 inline void prefetch_scales(const float* group_scales, int64_t G) {
   const int64_t ahead = std::max<int64_t>(1, PREFETCH_BYTES / (G * NC / 2)) * NC;  // floats
-  _mm_prefetch(reinterpret_cast<const char*>(group_scales + ahead), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(group_scales + ahead + NC / 2), _MM_HINT_T0);
+  prefetch_line(group_scales + ahead);
+  prefetch_line(group_scales + ahead + NC / 2);
 }
 
 
