@@ -56,12 +56,22 @@ struct QuantizedRows {
 // tile's walk (block b of each row, then b + 1, ...; past a row's end, the next tile's same row)
 // prefetched. A fixed distance within the row fell inside the tile's own rows when rows are long
 // (ffn_down's 7,350 bytes), and the next tile came from memory unprefetched.
+// Into L2 (T1), not L1: a stream of T0 prefetches holds the core's few L1 miss buffers until
+// their lines arrive, and the one-row calls (little arithmetic per byte) waited on them: the
+// 1.5B's 28 Q4_K FFN gates at one input row 13.3 -> 6.3 ms (16 -> 35 GB/s of file bytes), the
+// whole 1-token forward 56 -> 28 ms on a Zen 4 EPYC (docs/backends.md, "gguf_q8's prefetches").
+// -DCASCADE_GGUF_PREFETCH_HINT overrides it for experiments.
+#ifndef CASCADE_GGUF_PREFETCH_HINT
+#define CASCADE_GGUF_PREFETCH_HINT _MM_HINT_T1
+#endif
+inline void prefetch_to_l2(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), CASCADE_GGUF_PREFETCH_HINT); }
+
 template <int NR>
 inline const uint8_t* block_at(const uint8_t* w, int r, int64_t row_bytes, int64_t b, int block_bytes) {
   const uint8_t* blk = w + r * row_bytes + b * block_bytes;
   const int64_t nb = row_bytes / block_bytes, p = b + std::max<int64_t>(1, PREFETCH_BYTES / (NR * block_bytes));
   const uint8_t* ahead = w + (r + p / nb * NR) * row_bytes + (p % nb) * block_bytes;
-  for (int line = 0; line < block_bytes; line += 64) prefetch_line(ahead + line);
+  for (int line = 0; line < block_bytes; line += 64) prefetch_to_l2(ahead + line);
   return blk;
 }
 

@@ -30,14 +30,12 @@ constexpr int NC = 32;  // columns per panel
 #define CASCADE_PREFETCH_BYTES 8192
 #endif
 constexpr int64_t PREFETCH_BYTES = CASCADE_PREFETCH_BYTES;  // -D override: experiments/linear_rows.py
-// Every software prefetch fills L2 (T1), not L1 (T0): a prefetch into L1 holds one of the core's
-// few L1 miss buffers until its line arrives, and a stream of them left the GGUF int8 kernel's
-// one-row calls waiting on memory: the 1.5B's Q4_K FFN layers at one input row 16 -> 35 GB/s of
-// their file bytes on a Zen 4 EPYC with T1 (docs/backends.md, "Prefetch and row blocks").
-#ifndef CASCADE_PREFETCH_HINT
-#define CASCADE_PREFETCH_HINT _MM_HINT_T1
-#endif
-inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), CASCADE_PREFETCH_HINT); }
+// The weight streams' prefetches fill L1 (T0): the fp16 and int4 kernels' one-row passes reach
+// 90-100% of the read bound with them. The GGUF int8 kernel's prefetches fill L2 (gguf_q8.cpp,
+// prefetch_to_l2: there T0 held the core's few L1 miss buffers and halved its one-row rate);
+// the same for these kernels was not measured interleaved (one pair of runs on a Zen 4 EPYC,
+// results/kernels/forward_cost_prefetch_zen4.log, showed no gain).
+inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void prefetch_ahead(const void* p) { prefetch_line(static_cast<const char*>(p) + PREFETCH_BYTES); }
 
 // The int4 kernels' second stream: a group's 32 fp32 scales (two cache lines) per panel, read once
