@@ -58,8 +58,8 @@ struct QuantizedRows {
 // (ffn_down's 7,350 bytes), and the next tile came from memory unprefetched.
 // Into L2 (T1), not L1: a stream of T0 prefetches holds the core's few L1 miss buffers until
 // their lines arrive, and the one-row calls (little arithmetic per byte) waited on them: the
-// 1.5B's 28 Q4_K FFN gates at one input row 13.3 -> 6.3 ms (16 -> 35 GB/s of file bytes), the
-// whole 1-token forward 56 -> 28 ms on a Zen 4 EPYC (docs/backends.md, "gguf_q8's prefetches").
+// 1.5B's 1-token forward 56 -> 28 ms on a Zen 4 EPYC (results/kernels/forward_cost_prefetch_zen4.log;
+// docs/backends.md, "gguf_q8's prefetches").
 // -DCASCADE_GGUF_PREFETCH_HINT overrides it for experiments.
 #ifndef CASCADE_GGUF_PREFETCH_HINT
 #define CASCADE_GGUF_PREFETCH_HINT _MM_HINT_T1
