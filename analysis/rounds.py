@@ -47,6 +47,11 @@ def round_parts(steps: list[dict], key=lambda s: s["method"]) -> dict[str, dict[
     return out
 
 
+def round_seconds(parts: dict[str, float]) -> float:
+    """A row of ``round_parts``: its mean round, verify + draft + accept + other."""
+    return parts["verify"] + parts["draft"] + parts["accept"] + parts["other"]
+
+
 def mode_of(step: dict) -> str | None:
     """"<method> [chain]" / "<method> [tree]" for a round of a policy that records which mode it
     drafted in (DyTC), else None."""
@@ -113,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         parts = round_parts(job.steps())
         base = job.summary.baseline
-        step = parts[base]["verify"] + parts[base]["draft"] + parts[base]["accept"] + parts[base]["other"]
+        step = round_seconds(parts[base])
         print(f"{job.dir}: one autoregressive step = {1000 * step:.1f} ms (the baseline's mean round)")
         print(f"{'method':16s} {'tokens':>7s} {'inputs':>7s} {'verify':>7s} {'draft':>7s} {'accept':>7s} {'other':>7s} "
               f"{'round':>7s} {'decode':>7s} {'whole':>7s} {'tok/step':>8s}")
         for name, p in parts.items():
-            total = p["verify"] + p["draft"] + p["accept"] + p["other"]
+            total = round_seconds(p)
             method = job.summary.methods[name]
             decode = f"{decode_speedup(method.stats, job.summary.methods[base].stats):.2f}x"
             print(f"{name:16s} {p['tokens']:7.2f} {p['inputs']:7.2f} " + " ".join(
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'mode':22s} {'rounds':>7s} {'tokens':>7s} {'inputs':>7s} {'verify':>7s} {'draft':>7s} {'round':>7s} "
                   f"{'tok/step':>8s}")
             for name, p in sorted(modes.items()):
-                total = (p["verify"] + p["draft"] + p["accept"] + p["other"]) / step
+                total = round_seconds(p) / step
                 print(f"{name:22s} {p['rounds']:7d} {p['tokens']:7.2f} {p['inputs']:7.2f} {p['verify'] / step:7.3f} "
                       f"{p['draft'] / step:7.3f} {total:7.3f} {p['tokens'] / total:8.2f}")
     return 0

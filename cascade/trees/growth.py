@@ -26,6 +26,7 @@ import torch
 from cascade.costs import charge_lookup, decode_clock
 from cascade.drafters.base import Drafter
 from cascade.drafters.lm_base import LMDrafter
+from cascade.drafters.stopping import ConfidenceStop
 from cascade.sampling import logits_to_probs, sample
 from cascade.tree_structure import path_to
 from cascade.types import SamplingConfig
@@ -133,6 +134,7 @@ class LevelCalls:
         probability) per depth. One timed forward per token, as ``forward`` times its calls."""
         d: LMDrafter = self.drafters[i]
         steps = d.chain_steps(tree.context)
+        stop = ConfidenceStop(stop_below)  # the rule LMDrafter(stop_below=...) stops its chain by
         chain: list[tuple[int, float]] = []
         try:
             t0 = decode_clock()
@@ -143,7 +145,7 @@ class LevelCalls:
                 probs = torch.softmax(logits.float(), -1)  # [V]
                 token = int(logits.argmax())
                 chain.append((token, float(probs[token])))
-                if len(chain) >= n or chain[-1][1] < stop_below:
+                if len(chain) >= n or not stop.should_continue(len(chain) - 1, probs):
                     return chain
                 t0 = decode_clock()
                 logits = steps.send(token)
