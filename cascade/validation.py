@@ -44,7 +44,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("num_prompts",), lambda v: _integer(v) and v >= 1, "a positive integer or null (all)", nullable=True),
     Rule(("explore", "probe", "realised_window", "chain_drafter"), lambda v: _integer(v) and v >= 0, "an integer >= 0"),
     Rule(("seed",), _integer, "an integer"),
-    Rule(("t_min", "margin", "min_gain"), lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+    Rule(("t_min", "margin", "min_gain", "realised_margin"), lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     Rule(("stop_below", "chain_stop_below"), lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1] or null", nullable=True),
 )
 _RULE_OF = {key: rule for rule in RULES for key in rule.keys}

@@ -118,7 +118,7 @@ def test_dytc_keeps_trees_that_pay(setup):
     _, steps = _run(target, drafter, flat, shapes)
     assert _siblings(steps) > 0.5
     tree_rate, chain_rate = (drafter.policy.realised.rate(m) for m in ("tree", "chain"))
-    assert tree_rate is not None and chain_rate is not None and tree_rate >= chain_rate
+    assert tree_rate is not None and chain_rate is not None and tree_rate.value >= chain_rate.value
 
 
 def _no_tree_levels(*args):
@@ -191,3 +191,86 @@ def test_chain_mode_drafts_the_named_chain_itself(tiny_target):
                                                              stop_on_eos=False).steps]
     differ = [drafts(dytc, p) != drafts(chain, p) for p in PROMPTS]
     assert any(differ)
+
+
+def _modes(check, rates: dict[str, float], steps: int, seed: int, spread: float = 0.5) -> list[str]:
+    """Drive ``check`` with noisy outcomes: each step emits 1..9 tokens around the mode's mean
+    tokens per second ``rates[mode]`` (seconds ~ 1, noisy by ``spread``); the modes drafted."""
+    import random
+
+    rng, modes = random.Random(seed), []
+    for _ in range(steps):
+        mode = check.next_mode()
+        seconds = 1.0 + rng.uniform(-spread, spread)
+        tokens = max(1, min(9, round(rng.gauss(rates[mode] * seconds, 1.5))))
+        check.record(tokens, seconds)
+        modes.append(mode)
+    return modes
+
+
+def test_window_rate_and_its_standard_error():
+    from cascade.trees.guard import window_rate
+
+    assert window_rate([]) is None
+    one = window_rate([(4, 2.0)])
+    assert one.value == 2.0 and one.se == float("inf")
+    steady = window_rate([(4, 2.0)] * 10)
+    assert steady.value == 2.0 and steady.se == 0.0  # every step at the same rate
+    spread = window_rate([(2, 1.0), (6, 1.0)] * 8)
+    assert spread.value == 4.0
+    # tokens - rate * seconds = -2, +2: sample sd 2.07, / sqrt(16), / mean seconds 1
+    assert abs(spread.se - (64 / 15) ** 0.5 / 4) < 1e-12
+    wider = window_rate([(1, 1.0), (7, 1.0)] * 8)
+    assert wider.se > spread.se
+
+
+def test_realised_check_falls_back_to_chains_only_when_trees_under_deliver_beyond_noise():
+    from cascade.trees.guard import RealisedCheck
+
+    # chains first: trees only every 4th step until they have 4 outcomes
+    check = RealisedCheck(window=32, probe=16)
+    first = _modes(check, {"tree": 4.0, "chain": 4.0}, 16, seed=0)
+    assert first.count("tree") == 4 and first[:3] == ["chain"] * 3
+    # trees clearly worse (half the chains' tokens/s): chains, trees on probes only
+    check = RealisedCheck(window=32, probe=16)
+    modes = _modes(check, {"tree": 2.5, "chain": 5.0}, 400, seed=1)[100:]
+    assert modes.count("tree") <= len(modes) / 16 + 1
+    # trees clearly better: trees, chains on probes only
+    check = RealisedCheck(window=32, probe=16)
+    modes = _modes(check, {"tree": 5.0, "chain": 2.5}, 400, seed=2)[100:]
+    assert modes.count("chain") <= len(modes) / 16 + 1
+
+
+def test_a_tie_within_the_noise_drafts_the_same_modes_in_every_run():
+    """Equal rates with noisy steps: the mode drafted is trees (chains on probes) in every run,
+    not whichever mode the noise favoured; the broken variant (margin 0: the better measured mode,
+    whatever the noise) flips its share of chains from run to run."""
+    from cascade.trees.guard import RealisedCheck
+
+    def chain_share(seed: int, **check) -> float:
+        modes = _modes(RealisedCheck(window=32, probe=16, **check), {"tree": 4.0, "chain": 4.0}, 300, seed)[40:]
+        return modes.count("chain") / len(modes)
+
+    shares = [chain_share(seed) for seed in range(8)]
+    assert max(shares) - min(shares) < 0.05 and max(shares) < 0.15, shares
+    broken = [chain_share(seed, margin=0.0) for seed in range(8)]
+    assert max(broken) - min(broken) > 0.15, broken
+
+
+def test_realised_check_reads_a_probed_mode_from_its_fresh_outcomes_only():
+    from cascade.trees.guard import RealisedCheck
+
+    check = RealisedCheck(window=32, probe=4, min_steps=2, max_age=8)
+    for tokens in (1, 1):  # two chain outcomes at steps 1 and 2
+        check.next_mode()
+        check.mode = "chain"
+        check.record(tokens, 1.0)
+    assert check.rate("chain").value == 1.0
+    for _ in range(6):
+        check.next_mode()
+    assert check.rate("chain") is not None  # step 8: both within the last 8 steps
+    check.next_mode()
+    check.next_mode()
+    assert check.rate("chain") is None  # step 10: both older than max_age
+    with pytest.raises(ValueError):
+        RealisedCheck(window=32, probe=16, min_steps=4, max_age=32)  # shorter than four probe periods

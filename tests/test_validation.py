@@ -66,7 +66,7 @@ def test_every_rule_accepts_a_good_value_and_names_a_bad_one():
     good = {"temperature": 0.5, "top_k": 3, "top_p": 0.9, "k": 4, "max_new_tokens": 4, "max_nodes": 4,
             "max_depth": 4, "max_rank": 2, "depth": 3, "tokens": 2, "r": 8, "threads": 2, "per_category": 1,
             "realised_window": 32, "max_ngram": 3, "min_ngram": 1, "max_matches": 64, "num_prompts": 5,
-            "explore": 0, "probe": 16, "seed": 0, "t_min": 0.7, "margin": 1.0, "min_gain": 0.0, "chain_k": 8, "chain_drafter": 1, "chain_stop_below": 0.4,
+            "explore": 0, "probe": 16, "seed": 0, "t_min": 0.7, "margin": 1.0, "realised_margin": 2.0, "min_gain": 0.0, "chain_k": 8, "chain_drafter": 1, "chain_stop_below": 0.4,
             "stop_below": 0.4}
     keys = {k for rule in RULES for k in rule.keys}
     assert keys == set(good), "every key of the table has a good value here"

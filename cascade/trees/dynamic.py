@@ -29,7 +29,7 @@ its depth and sibling rank, decided before it is drawn.
 The guarantee (``cascade.trees.guard``): each grown tree is verified only when its expected
 tokens per cost beat the best chain it contains by more than the cost model's uncertainty
 (else that chain is verified), and a realised-outcome check drafts chains while trees deliver
-fewer tokens per second than chains did.
+fewer tokens per second than chains did, by more than the noise of its window.
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ class DynamicTreePolicy(TreePolicy):
     min_gain: float = 0.02  # ... and by at least this fraction of the chain's expected tokens per cost
     realised_window: int = 32  # steps per mode in the realised-outcome check (0: off, always trees)
     probe: int = 16  # the realised-outcome check drafts the other mode every probe-th step
+    realised_margin: float = 2.0  # ... and drafts chains when trees deliver fewer tokens/s by more than this many standard errors
     depth_rate: str = "step"  # a node to expand must beat the step's rate ("spine": its first children's, siblings left out)
     # chain mode's rule: None, the priced rule above with one node per depth; a probability: an LM
     # drafter's greedy chain while each token is at least this likely, at most chain_k deep (the
@@ -213,12 +214,12 @@ class DynamicTreePolicy(TreePolicy):
             raise ValueError(f"depth_rate must be 'step' or 'spine', got {self.depth_rate!r}")
         if self.chain_stop_below is not None and not 0.0 <= self.chain_stop_below <= 1.0 or self.chain_k < 1:
             raise ValueError(f"chain_stop_below must lie in [0, 1] and chain_k >= 1, got {self.chain_stop_below}, {self.chain_k}")
-        if self.margin < 0 or self.min_gain < 0 or self.realised_window < 0:
+        if self.margin < 0 or self.min_gain < 0 or self.realised_window < 0 or not self.realised_margin >= 0:
             raise ValueError(f"invalid dynamic tree policy guard {self}")
         if self.device is not None:
             device_named(self.device)  # an unknown device fails here, before any model loads
         self._calibrated = False
-        self.realised = RealisedCheck(self.realised_window, self.probe) if self.realised_window else None
+        self.realised = RealisedCheck(self.realised_window, self.probe, margin=self.realised_margin) if self.realised_window else None
         self.last_shape = "tree"
         self._grow_seconds = 0.0
 

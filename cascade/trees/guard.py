@@ -11,15 +11,18 @@ than the best of them is a loss the policy chose. Two checks keep it from choosi
    the difference (the cost model's) and by at least ``min_gain`` (relative); else the chain is.
 2. **The realised-outcome check** (:class:`RealisedCheck`): over a window of steps, the tokens
    each drafting mode ("tree": the policy grows freely; "chain": at most one node per depth)
-   actually emitted per second actually spent (measured seconds, or the virtual clock's). When
-   trees deliver fewer tokens per second than chains, the policy drafts chains; every
-   ``probe``-th step drafts the other mode so both stay measured. Chains are the default: until
-   trees have a few outcomes, they are drafted on every fourth probe period only.
+   actually emitted per second actually spent (measured seconds, or the virtual clock's), with
+   the standard error of that rate. Chains come first: until trees have a few outcomes they are
+   drafted on every fourth probe period only. Then trees are drafted unless they deliver fewer
+   tokens per second than chains by more than ``margin`` standard errors of the difference
+   (then chains); every ``probe``-th step drafts the other mode so both stay measured.
 
 What this guarantees, and what not (docs/methods.md): within the estimates, a verified tree is
 worth at least the best contained chain; over a window, the mode that delivers fewer tokens per
-second is drafted only on probe steps (1 / ``probe`` of them). It does not make DyTC as fast as
-a chain of a fixed length tuned after the fact on the same prompts.
+second by more than the noise of its window is drafted only on probe steps (1 / ``probe`` of
+them). A difference within the noise leaves trees drafted: the choice does not flip with the
+noise of a shared host, so the shapes drafted stay the same from run to run. It does not make
+DyTC as fast as a chain of a fixed length tuned after the fact on the same prompts.
 """
 
 from __future__ import annotations
@@ -77,43 +80,82 @@ def keep_tree(tree_value: Valued, chain_value: Valued, margin: float, min_gain: 
     return diff > margin * sd and diff > min_gain * chain_value.rate
 
 
+@dataclass(frozen=True)
+class Rate:
+    """Tokens per second over a window of steps, and its standard error."""
+
+    value: float
+    se: float
+
+
+def window_rate(outcomes) -> Rate | None:
+    """The ratio estimate sum(tokens) / sum(seconds) over ``outcomes`` ((tokens, seconds) per
+    step) and its standard error (the ratio estimator's: the spread of tokens - rate * seconds
+    over the steps, divided by the mean step's seconds); infinite with one step."""
+    n = len(outcomes)
+    seconds = sum(s for _, s in outcomes)
+    if n == 0 or seconds <= 0:
+        return None
+    rate = sum(t for t, _ in outcomes) / seconds
+    if n < 2:
+        return Rate(rate, math.inf)
+    spread = sum((t - rate * s) ** 2 for t, s in outcomes) / (n - 1)
+    return Rate(rate, math.sqrt(spread / n) / (seconds / n))
+
+
 class RealisedCheck:
     """Tokens per second of each drafting mode over its last ``window`` steps; picks the mode.
 
-    Chains are the default: until trees have ``min_steps`` outcomes they are drafted on every
+    Chains come first: until trees have ``min_steps`` outcomes they are drafted on every
     ``max(2, probe // 4)``-th step only (so their first outcomes come after the acceptance
-    estimates have learnt from chains, and few steps are spent on trees grown from priors); then
-    the mode that delivered more tokens per second is drafted, the other every ``probe``-th step."""
+    estimates have learnt from chains, and few steps are spent on trees grown from priors). Then
+    trees are drafted unless chains delivered more tokens per second by more than ``margin``
+    standard errors of the difference, and the other mode every ``probe``-th step. A tie within
+    the noise goes to trees, the policy's own choice, rather than to whichever mode the host's
+    noise favoured last: the mode drafted, and so the shape, does not flip with that noise."""
 
-    def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 4) -> None:
-        if window < 1 or probe < 2 or min_steps < 1:
-            raise ValueError(f"invalid realised-outcome check: window {window}, probe {probe}, min_steps {min_steps}")
-        self.window, self.probe, self.min_steps = window, probe, min_steps
-        self.outcomes = {m: deque(maxlen=window) for m in MODES}  # (tokens, seconds) per step
+    def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 4, margin: float = 2.0,
+                 max_age: int | None = None) -> None:
+        max_age = 4 * window if max_age is None else max_age
+        if window < 1 or probe < 2 or min_steps < 2 or not margin >= 0 or max_age < probe * min_steps:
+            raise ValueError(f"invalid realised-outcome check: window {window}, probe {probe}, min_steps {min_steps}, "
+                             f"margin {margin}, max_age {max_age} (at least probe * min_steps)")
+        self.window, self.probe, self.min_steps, self.margin, self.max_age = window, probe, min_steps, margin, max_age
+        self.outcomes = {m: deque(maxlen=window) for m in MODES}  # (step, tokens, seconds) per step
         self.steps = 0
         self.mode = "chain"
 
-    def rate(self, mode: str) -> float | None:
-        out = self.outcomes[mode]
-        if len(out) < self.min_steps:
-            return None
-        seconds = sum(s for _, s in out)
-        return sum(t for t, _ in out) / seconds if seconds > 0 else None
+    def rate(self, mode: str) -> Rate | None:
+        """The mode's rate over its last ``window`` outcomes of the last ``max_age`` steps, once it
+        has ``min_steps`` of them. A mode drafted on probes only is read from its fresh probes: an
+        unlucky window of it ages out instead of deciding the mode for hundreds of steps."""
+        out = [(t, s) for step, t, s in self.outcomes[mode] if step > self.steps - self.max_age]
+        return window_rate(out) if len(out) >= self.min_steps else None
+
+    def trees_under_deliver(self, tree: Rate, chain: Rate) -> bool:
+        return chain.value - tree.value > self.margin * math.hypot(tree.se, chain.se)
 
     def next_mode(self) -> str:
-        """The mode of the next step (see the class docstring; chains on a tie)."""
+        """The mode of the next step (see the class docstring)."""
         self.steps += 1
         tree, chain = self.rate("tree"), self.rate("chain")
-        measured = tree is not None and chain is not None
-        best = "tree" if measured and tree > chain else "chain"
+        if tree is None or chain is None:
+            best, period = "chain", max(2, self.probe // 4)
+        else:
+            best, period = ("chain" if self.trees_under_deliver(tree, chain) else "tree"), self.probe
         other = "chain" if best == "tree" else "tree"
-        period = self.probe if measured else max(2, self.probe // 4)
         self.mode = other if self.steps % period == 0 else best
         return self.mode
 
     def record(self, tokens: int, seconds: float) -> None:
         if seconds > 0 and math.isfinite(seconds):
-            self.outcomes[self.mode].append((tokens, seconds))
+            self.outcomes[self.mode].append((self.steps, tokens, seconds))
 
     def snapshot(self) -> dict[str, float | None]:
-        return {f"{m}_tokens_per_s": None if self.rate(m) is None else round(self.rate(m), 3) for m in MODES}
+        """Tokens per second of each mode and its standard error (None until measured)."""
+        out: dict[str, float | None] = {}
+        for m in MODES:
+            r = self.rate(m)
+            out[f"{m}_tokens_per_s"] = None if r is None else round(r.value, 3)
+            out[f"{m}_tokens_per_s_se"] = None if r is None or not math.isfinite(r.se) else round(r.se, 3)
+        return out
