@@ -116,7 +116,8 @@ class RealisedCheck:
 
     def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 4, margin: float = 2.0,
                  max_age: int | None = None) -> None:
-        max_age = 4 * window if max_age is None else max_age
+        # a probed mode gets an outcome every probe-th step: its window must hold min_steps of them
+        max_age = max(4 * window, 2 * probe * min_steps) if max_age is None else max_age
         if window < 1 or probe < 2 or min_steps < 2 or not margin >= 0 or max_age < probe * min_steps:
             raise ValueError(f"invalid realised-outcome check: window {window}, probe {probe}, min_steps {min_steps}, "
                              f"margin {margin}, max_age {max_age} (at least probe * min_steps)")
@@ -126,7 +127,8 @@ class RealisedCheck:
         self.mode = "chain"
 
     def rate(self, mode: str) -> Rate | None:
-        """The mode's rate over its last ``window`` outcomes of the last ``max_age`` steps, once it
+        """The mode's rate over its last ``window`` outcomes of the last ``max_age`` steps (by
+        default the larger of 4 windows and 2 probe periods' worth of ``min_steps``), once it
         has ``min_steps`` of them. A mode drafted on probes only is read from its fresh probes: an
         unlucky window of it ages out instead of deciding the mode for hundreds of steps."""
         out = [(t, s) for step, t, s in self.outcomes[mode] if step > self.steps - self.max_age]
