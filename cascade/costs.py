@@ -33,6 +33,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -145,13 +146,24 @@ class ForwardShape:
         nbytes, count = linear_bytes(lm.model)
         return cls(nbytes, count, layers, 2 * layers * kv_heads * head_dim, 4.0 * layers * heads * head_dim)
 
-    def seconds(self, device: Device, inputs: int, context: int) -> float:
-        """Roofline time of one forward of ``inputs`` inputs over ``context`` cached positions."""
+    def parts(self, device: Device, inputs: int, context: int) -> tuple[float, float, float]:
+        """(overheads, reads, arithmetic) of one forward of ``inputs`` inputs over ``context``
+        cached positions on ``device``, in seconds, before they are combined."""
         kv = self.kv_values_per_position * (context + inputs) * device.kv_bytes
         flops = inputs * (2.0 * self.weight_count + self.attention_flops_per_position * (context + inputs))
-        reads, arithmetic = (self.weight_bytes + kv) / device.bandwidth, flops / device.peak_flops
-        work = max(reads, arithmetic) if device.overlap else reads + arithmetic
-        return device.forward_overhead_s + device.layer_overhead_s * self.layers + work
+        overheads = device.forward_overhead_s + device.layer_overhead_s * self.layers
+        return overheads, (self.weight_bytes + kv) / device.bandwidth, flops / device.peak_flops
+
+    def seconds(self, device: Device, inputs: int, context: int) -> float:
+        """Roofline time of one forward of ``inputs`` inputs over ``context`` cached positions."""
+        overheads, reads, arithmetic = self.parts(device, inputs, context)
+        return overheads + float(combine(device, reads, arithmetic))
+
+
+def combine(device: Device, reads, arithmetic):
+    """A forward's work from its reads and arithmetic (seconds, or arrays of them): overlapped
+    (the larger) or added."""
+    return np.maximum(reads, arithmetic) if device.overlap else reads + arithmetic
 
 
 def is_linear(module: nn.Module) -> bool:

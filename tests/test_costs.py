@@ -113,7 +113,8 @@ def test_realised_check_starts_on_chains_then_follows_the_outcomes():
         check_.record(3 if check_.next_mode() == "chain" else 1, 1.0)  # chains deliver 3 tokens/s, trees 1
     picked = [check_.next_mode() for _ in range(8)]
     assert picked.count("chain") == 6 and picked.count("tree") == 2  # trees only on probe steps
-    assert check_.snapshot() == {"tree_tokens_per_s": 1.0, "chain_tokens_per_s": 3.0}
+    assert check_.snapshot() == {"tree_tokens_per_s": 1.0, "tree_tokens_per_s_se": 0.0,
+                                 "chain_tokens_per_s": 3.0, "chain_tokens_per_s_se": 0.0}  # steady outcomes: no spread
     check_ = RealisedCheck(window=8, probe=4, min_steps=2)
     for _ in range(8):
         check_.record(1 if check_.next_mode() == "chain" else 3, 1.0)  # trees deliver more: trees are drafted
@@ -182,3 +183,37 @@ def test_spine_depth_rate_is_validated_and_keeps_trees_lossless(tiny_target, tin
     drafter = TreeDrafter([SmallLMDrafter(tiny_close_drafter)], DynamicTreePolicy(device=DEV, depth_rate="spine"))
     out = generate(tiny_target, [1, 2, 3], drafter=drafter, max_new_tokens=16, stop_on_eos=False, clock=VirtualClock(DEV))
     assert out.tokens == generate(tiny_target, [1, 2, 3], max_new_tokens=16, stop_on_eos=False).tokens
+
+
+def test_roofline_fit_per_part_follows_a_host_whose_arithmetic_and_reads_drift_apart():
+    """Steps timed on a 'host' whose reads run at 0.9 of the device's roof and whose arithmetic at 0.6 of
+    its peak (its cores shared): the fit per part, on the first half of the prompts,
+    predicts the second half's speedups; one scale per model cannot (it moves a forward of eight
+    inputs as far as a forward of one)."""
+    import random
+
+    from analysis.roofline import fit_parts
+
+    device = dataclasses.replace(DEVICES["zen4_epyc"], host_step_s=0.0)
+    target = ForwardShape(3.0e9, 1.5e9, 28, 2 * 28 * 256, 4.0 * 28 * 1536)
+    drafter = ForwardShape(0.3e9, 0.5e9, 24, 2 * 24 * 128, 4.0 * 24 * 896)
+    shapes = {"t": target, "d": drafter}
+    reads, arithmetic = 0.9, 0.6  # of the device's roof and peak
+    host = dataclasses.replace(device, bandwidth=reads * device.bandwidth, peak_flops=arithmetic * device.peak_flops)
+    rng, steps = random.Random(0), []
+    for p in range(8):
+        for method, inputs, tokens in (("ar", 1, 1), ("chain_k4", 5, 3), ("chain_k8", 9, 4)):
+            for i in range(20):
+                forwards = [{"model": "t", "inputs": inputs, "context": 100 + i}]
+                forwards += [{"model": "d", "inputs": 1, "context": 100 + i}] * (inputs - 1)
+                seconds = sum(shapes[f["model"]].seconds(host, f["inputs"], f["context"]) for f in forwards)
+                steps.append({"method": method, "prompt": f"p{p}", "emitted": tokens, "forwards": forwards,
+                              "step_time_s": seconds * (1 + 0.02 * rng.uniform(-1, 1))})
+    rows = check(steps, shapes, "ar", device)
+    for m in ("chain_k4", "chain_k8"):
+        assert rows[m]["per_part"] == pytest.approx(rows[m]["measured"], rel=0.03), rows[m]
+        assert abs(rows[m]["in_sample_error"]) < 0.03  # and on the half it was fitted on
+    assert max(abs(rows[m]["fitted"] / rows[m]["measured"] - 1) for m in ("chain_k4", "chain_k8")) > 0.05
+    parts = fit_parts(steps, shapes, device)
+    assert parts.reads["t"] == pytest.approx(1 / reads, rel=0.05)
+    assert parts.reads["t"] * parts.ratio["t"] == pytest.approx(1 / arithmetic, rel=0.15)
