@@ -37,31 +37,35 @@ class ReadProbe:
     def read(self) -> None:
         self.x.sum()
 
-    def time_reads(self) -> tuple[float, float | None]:
-        """Seconds of one torch-sum read, then of one native streaming read (None without the
-        extension): one sample of each probe, back to back."""
+    def time_reads(self) -> tuple[float, list[float]]:
+        """Seconds of one torch-sum read, then of one native streaming read per prefetch target
+        (into L1, into L2; empty without the extension): one sample of each probe, back to back."""
         t0 = time.perf_counter()
         self.read()
-        t1 = time.perf_counter()
-        native = self.read_native()
-        t2 = time.perf_counter()
-        return t1 - t0, (t2 - t1) if native else None
+        sum_s, native = time.perf_counter() - t0, []
+        for into_l2 in (False, True):
+            t1 = time.perf_counter()
+            if not self.read_native(into_l2):
+                break
+            native.append(time.perf_counter() - t1)
+        return sum_s, native
 
-    def read_native(self) -> bool:
-        """One streaming read of the buffer; False where the native extension is unavailable."""
+    def read_native(self, into_l2: bool = False) -> bool:
+        """One streaming read of the buffer, prefetching into L1 or L2; False where the native
+        extension is unavailable."""
         from cascade.models.backends.native import native_kernels
 
         ext = native_kernels()
         if ext is None:
             return False
-        ext.stream_read(self._bytes)
+        ext.stream_read(self._bytes, into_l2)
         return True
 
 
 @dataclass(frozen=True)
 class Bandwidth:
-    """Read bandwidth in bytes/s: ``bound``, the fastest of the native streaming reads (None
-    without the extension), and ``torch_sum``, the median torch sum beside it."""
+    """Read bandwidth in bytes/s: ``bound``, the fastest of the native streaming reads (prefetching
+    into L1 or L2; None without the extension), and ``torch_sum``, the median torch sum beside it."""
 
     bound: float | None
     torch_sum: float
@@ -81,6 +85,5 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> Bandwidth:
     for _ in range(repeats):
         sum_s, native_s = probe.time_reads()
         summed.append(sum_s)
-        if native_s is not None:
-            native.append(native_s)
+        native += native_s
     return Bandwidth(probe.nbytes / min(native) if native else None, probe.nbytes / statistics.median(summed))

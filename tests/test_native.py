@@ -803,6 +803,7 @@ def test_stream_read_reads_every_byte():
     buf = torch.randint(0, 256, (1 << 21,), dtype=torch.uint8, generator=gen)  # two 1 MiB thread ranges
     want = int(np.bitwise_xor.reduce(buf.numpy().view(np.uint64)))
     assert ext.stream_read(buf) & (2**64 - 1) == want
+    assert ext.stream_read(buf, True) & (2**64 - 1) == want  # prefetching into L2: the same bytes
     flipped = buf.clone()
     flipped[12345] ^= 0x10  # one bit of one byte anywhere changes the result
     assert ext.stream_read(flipped) != ext.stream_read(buf)

@@ -45,8 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_step", &layer_step, "the whole layer, this call's keys / values written into the cache buffers at start",
         py::arg("h"), py::arg("layer"), py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("cos"),
         py::arg("sin"), py::arg("mask"));
-  m.def("stream_read", &stream_read, "every byte of a contiguous uint8 buffer read once at the kernels' prefetch distance "
-        "(the read-bandwidth bound); returns the bytes folded by XOR", py::arg("buffer"));
+  m.def("stream_read", &stream_read, "every byte of a contiguous uint8 buffer read once at the kernels' prefetch distance, "
+        "prefetching into L1 or (into_l2) L2 (the read-bandwidth bound: the faster); returns the bytes folded by XOR",
+        py::arg("buffer"), py::arg("into_l2") = false);
   m.def("isa", &isa_name, "the instruction set the kernels run on: avx512, avx2 or none");
   m.def("linear_fp16", &linear_fp16, "y = x @ W^T (+ bias), W packed fp16 [P, K, 32]", py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none());

@@ -38,7 +38,7 @@ int64_t gguf_block_bytes(int64_t qtype);
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& mask, double scaling);
 // bandwidth.cpp: every byte of a uint8 buffer read once (folded by XOR: the result is returned)
-int64_t stream_read(const torch::Tensor& buffer);
+int64_t stream_read(const torch::Tensor& buffer, bool into_l2);
 // norm_rope.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, int64_t lanes);
 void rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out);
