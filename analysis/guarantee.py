@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 from cascade.results import load_jobs
 from cascade.tree_structure import depths_of
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {r['method']:22s} {r['decode']:6.2f}x {r['chain_decode']:>18s} {r['vs_decode']:6.3f} "
                       f"{r['whole']:6.2f}x {r['chain_whole']:>18s} {r['vs_whole']:6.3f} {r['nodes']:6.2f} "
                       f"{r['depth']:6.2f} {r['chains']:6.1%}")
-                shapes.setdefault((Path(job.dir).name, r["method"]), []).append(r)
+                shapes.setdefault((job.summary.dataset, r["method"]), []).append(r)  # a set's runs, whatever their dirs' names
             methods = job.summary.methods
             for a, b in twins(methods):
                 print(f"  A/A control {a} / {b}: decode {methods[a].decode_speedup / methods[b].decode_speedup:.3f}, "
@@ -92,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = {k: v for k, v in shapes.items() if len(v) == 2}
     if pairs:
         print("tree shape between the two runs (relative change of nodes per round and depth):")
-        for (job, method), (a, b) in pairs.items():
-            print(f"  {job:28s} {method:22s} nodes {a['nodes']:.2f} -> {b['nodes']:.2f} "
+        for (dataset, method), (a, b) in pairs.items():
+            print(f"  {dataset:28s} {method:22s} nodes {a['nodes']:.2f} -> {b['nodes']:.2f} "
                   f"({abs(b['nodes'] - a['nodes']) / max(a['nodes'], 1e-9):.1%}), depth {a['depth']:.2f} -> {b['depth']:.2f} "
                   f"({abs(b['depth'] - a['depth']) / max(a['depth'], 1e-9):.1%})")
     return 0
