@@ -20,8 +20,9 @@ than the best of them is a loss the policy chose. Two checks keep it from choosi
 What this guarantees, and what not (docs/methods.md): within the estimates, a verified tree is
 worth at least the best contained chain; over a window, the mode that delivers fewer tokens per
 second by more than the noise of its window is drafted only on probe steps (1 / ``probe`` of
-them). A difference within the noise leaves trees drafted: the choice does not flip with the
-noise of a shared host, so the shapes drafted stay the same from run to run. It does not make
+them). A difference within the noise leaves trees drafted, so the mode does not flip with the
+noise of a shared host (priced by a roofline, DyTC drafted the same rounds in two runs; priced
+from measured timings its trees still follow the host: docs/results.md). It does not make
 DyTC as fast as a chain of a fixed length tuned after the fact on the same prompts.
 """
 
@@ -112,7 +113,7 @@ class RealisedCheck:
     trees are drafted unless chains delivered more tokens per second by more than ``margin``
     standard errors of the difference, and the other mode every ``probe``-th step. A tie within
     the noise goes to trees, the policy's own choice, rather than to whichever mode the host's
-    noise favoured last: the mode drafted, and so the shape, does not flip with that noise."""
+    noise favoured last: the mode drafted does not flip with that noise."""
 
     def __init__(self, window: int = 32, probe: int = 16, min_steps: int = 4, margin: float = 2.0,
                  max_age: int | None = None) -> None:
