@@ -274,3 +274,22 @@ def test_realised_check_reads_a_probed_mode_from_its_fresh_outcomes_only():
     assert check.rate("chain") is None  # step 10: both older than max_age
     with pytest.raises(ValueError):
         RealisedCheck(window=32, probe=16, min_steps=4, max_age=32)  # shorter than four probe periods
+
+
+def test_the_guard_leaves_trees_with_sampled_nodes_whole(setup):
+    """Under sampling the guard does not trim trees (which chain pays depends on the tokens
+    drawn): with the broken shared record that makes it trim every greedy tree to a chain, every
+    sampled tree is verified whole; greedy, the same policy trims."""
+    from cascade.types import SamplingConfig
+
+    target, copy, cheap, device = setup
+    shapes = {}
+    for name, sampling in (("sampled", SamplingConfig(temperature=1.0)), ("greedy", SamplingConfig())):
+        drafter = _dytc(copy, cheap, device, siblings_apart=False, realised_window=0)
+        steps = []
+        for seed, p in enumerate(PROMPTS):
+            steps += generate(target, p, drafter=drafter, max_new_tokens=30, sampling=sampling, seed=seed,
+                              stop_on_eos=False, clock=VirtualClock(device, [(copy, cheap)])).steps
+        shapes[name] = [s.tree.shape for s in steps if s.tree is not None]
+    assert shapes["sampled"] and set(shapes["sampled"]) == {"tree"}
+    assert "chain" in shapes["greedy"]  # the guard acts on greedy trees (the test can tell)

@@ -267,7 +267,10 @@ class DynamicTreePolicy(TreePolicy):
         self._grow_seconds = decode_clock() - started
         everything = list(range(len(tree.nodes)))
         self.last_shape = "chain" if chain else "tree"
-        if chain or not self.guard or not tree.nodes:
+        if chain or not self.guard or not tree.nodes or any(n.q is not None for n in tree.nodes):
+            # a tree with sampled nodes is verified whole: which of its chains pays most depends on
+            # the nodes below each one, which depend on the tokens drawn; keeping a sampled node
+            # or not by its own value would verify a token no longer distributed as its q
             return everything
         return self._guarded(tree, everything)
 

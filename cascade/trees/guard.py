@@ -9,6 +9,8 @@ than the best of them is a loss the policy chose. Two checks keep it from choosi
    drafting spent + the verification of its nodes, in target steps); the tree is verified only
    when its expected tokens per cost beat the chain's by more than ``margin`` standard errors of
    the difference (the cost model's) and by at least ``min_gain`` (relative); else the chain is.
+   Trees of deterministic nodes only (greedy): under sampling which chain pays depends on the
+   tokens drawn, and a sampled node kept or dropped by its value is no longer drawn from its q.
 2. **The realised-outcome check** (:class:`RealisedCheck`): over a window of steps, the tokens
    each drafting mode ("tree": the policy grows freely; "chain": at most one node per depth)
    actually emitted per second actually spent (measured seconds, or the virtual clock's), with
