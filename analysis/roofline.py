@@ -131,12 +131,12 @@ def check(steps: list[dict], shapes: dict, baseline: str, device: Device) -> dic
     """method -> measured, roofline-alone and fitted decode speedups on the second half of the
     prompts (the fit saw only the first half)."""
     first, second = halves(steps)
-    scale = fit([s for s in steps if s["prompt"] in first], shapes, device)
+    seen = [s for s in steps if s["prompt"] in first]
+    scale = fit(seen, shapes, device)
     held = [s for s in steps if s["prompt"] in second]
     measured = speedups(held, baseline, lambda s: s["step_time_s"])
     alone = speedups(held, baseline, lambda s: step_roofline(s, shapes, device))
     fitted = speedups(held, baseline, lambda s: fitted_seconds(s, shapes, device, scale))
-    seen = [s for s in steps if s["prompt"] in first]
     per_part = fit_parts(seen, shapes, device)
     by_part = speedups(held, baseline, lambda s: per_part.seconds(s, shapes, device))
     seen_measured = speedups(seen, baseline, lambda s: s["step_time_s"])

@@ -78,9 +78,15 @@ def keep_tree(tree_value: Valued, chain_value: Valued, margin: float, min_gain: 
     """Whether the tree beats the chain by more than ``margin`` standard errors of the rates'
     difference and by ``min_gain`` of the chain's rate."""
     diff = tree_value.rate - chain_value.rate
-    sd = math.hypot(tree_value.gain / tree_value.cost ** 2 * tree_value.sd,
-                    chain_value.gain / chain_value.cost ** 2 * chain_value.sd)
-    return diff > margin * sd and diff > min_gain * chain_value.rate
+    return (beyond_noise(diff, margin, tree_value.gain / tree_value.cost ** 2 * tree_value.sd,
+                         chain_value.gain / chain_value.cost ** 2 * chain_value.sd)
+            and diff > min_gain * chain_value.rate)
+
+
+def beyond_noise(diff: float, margin: float, *se: float) -> bool:
+    """Whether a difference of two estimates exceeds ``margin`` standard errors of it (``se``:
+    the estimates' own, independent)."""
+    return diff > margin * math.hypot(*se)
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ class RealisedCheck:
         return window_rate(out) if len(out) >= self.min_steps else None
 
     def trees_under_deliver(self, tree: Rate, chain: Rate) -> bool:
-        return chain.value - tree.value > self.margin * math.hypot(tree.se, chain.se)
+        return beyond_noise(chain.value - tree.value, self.margin, tree.se, chain.se)
 
     def next_mode(self) -> str:
         """The mode of the next step (see the class docstring)."""
