@@ -16,16 +16,11 @@ namespace cascade_native {
 namespace {
 
 template <int HINT>
-inline void prefetch_ahead_into(const uint8_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_BYTES), static_cast<decltype(_MM_HINT_T0)>(HINT));  // an enum in GCC
-}
-
-template <int HINT>
 __attribute__((target("avx512f"))) uint64_t fold_avx512(const uint8_t* p, int64_t n) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 256 <= n; i += 256) {
-    for (int line = 0; line < 256; line += 64) prefetch_ahead_into<HINT>(p + i + line);
+    for (int line = 0; line < 256; line += 64) prefetch_ahead<HINT>(p + i + line);
     a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
     a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
     a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
@@ -44,8 +39,8 @@ __attribute__((target("avx2"))) uint64_t fold_avx2(const uint8_t* p, int64_t n) 
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 128 <= n; i += 128) {
-    prefetch_ahead_into<HINT>(p + i);
-    prefetch_ahead_into<HINT>(p + i + 64);
+    prefetch_ahead<HINT>(p + i);
+    prefetch_ahead<HINT>(p + i + 64);
     a0 = _mm256_xor_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
     a1 = _mm256_xor_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
     a2 = _mm256_xor_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));

@@ -35,8 +35,13 @@ constexpr int64_t PREFETCH_BYTES = CASCADE_PREFETCH_BYTES;  // -D override: expe
 // prefetch_to_l2: there T0 held the core's few L1 miss buffers and halved its one-row rate);
 // the same for these kernels was not measured interleaved (one pair of runs on a Zen 4 EPYC,
 // results/kernels/forward_cost_prefetch_zen4.log, showed no gain).
-inline void prefetch_line(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-inline void prefetch_ahead(const void* p) { prefetch_line(static_cast<const char*>(p) + PREFETCH_BYTES); }
+// HINT: the cache level to fill (_MM_HINT_T0 by default; the read probe times T1 too).
+template <int HINT = _MM_HINT_T0>
+inline void prefetch_line(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), static_cast<decltype(_MM_HINT_T0)>(HINT));  // an enum in GCC
+}
+template <int HINT = _MM_HINT_T0>
+inline void prefetch_ahead(const void* p) { prefetch_line<HINT>(static_cast<const char*>(p) + PREFETCH_BYTES); }
 
 // The int4 kernels' second stream: a group's 32 fp32 scales (two cache lines) per panel, read once
 // per G k, prefetched as far ahead, in groups, as the weights are (the 0.5B's int4 x int8 layers
